@@ -1,0 +1,203 @@
+"""Typed run configuration: one dataclass per component, loaded from TOML, overridden by flags.
+
+The embedded default (`lowcomm/configs/default.toml`) is the reference setup of BENCHMARKS.md.
+A run config is hashed (sha256 of its canonical JSON) so checkpoints and peers can tell whether
+they belong to the same run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message says which key and what is allowed."""
+
+
+@dataclass
+class RunSection:
+    name: str = "lowcomm-default"
+    algo: str = "diloco"
+    steps: int = 600
+    seed: int = 0
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    context: int = 64
+
+
+@dataclass
+class DataConfig:
+    corpus: str = "stdlib"
+    holdout_fraction: float = 0.02
+    eval_batches: int = 16
+    eval_every_tokens: int = 61440
+
+
+@dataclass
+class InnerConfig:
+    lr: float = 1e-3
+    warmup_steps: int = 50
+    beta1: float = 0.9
+    beta2: float = 0.95
+    weight_decay: float = 0.1
+    batch_size: int = 16
+    grad_clip: float = 0.0
+
+
+@dataclass
+class DilocoConfig:
+    inner_steps: int = 30
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    codec: str = "uint8"
+
+
+@dataclass
+class DdpConfig:
+    epoch_steps: int = 50
+
+
+@dataclass
+class SyncConfig:
+    announce_s: float = 2.0
+    manifest_s: float = 5.0
+    reduce_timeout_s: float = 20.0
+    chunk_bytes: int = 1 << 20
+    zstd_level: int = 1
+    heartbeat_s: float = 2.0
+    record_ttl_s: float = 10.0
+
+
+@dataclass
+class CheckpointConfig:
+    every_rounds: int = 5
+    keep: int = 3
+
+
+@dataclass
+class RunConfig:
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    inner: InnerConfig = field(default_factory=InnerConfig)
+    diloco: DilocoConfig = field(default_factory=DilocoConfig)
+    ddp: DdpConfig = field(default_factory=DdpConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    def config_hash(self) -> str:
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "RunConfig":
+        config = cls()
+        for section_name, values in raw.items():
+            if not hasattr(config, section_name):
+                raise ConfigError(f"unknown config section [{section_name}]; "
+                                  f"known: {', '.join(f.name for f in dataclasses.fields(cls))}")
+            if not isinstance(values, dict):
+                raise ConfigError(f"[{section_name}] must be a table")
+            _apply(getattr(config, section_name), section_name, values)
+        config.validate()
+        return config
+
+    @classmethod
+    def from_json(cls, text: str) -> "RunConfig":
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"run config is not valid JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError("run config must be a JSON object")
+        return cls.from_dict(raw)
+
+    def override(self, dotted: dict[str, Any]) -> "RunConfig":
+        """Returns a copy with `section.key` values replaced (flags override the file)."""
+        raw = self.to_dict()
+        for key, value in dotted.items():
+            if value is None:
+                continue
+            section, _, name = key.partition(".")
+            raw.setdefault(section, {})[name] = value
+        return RunConfig.from_dict(raw)
+
+    def validate(self) -> None:
+        if self.run.algo not in ("diloco", "ddp"):
+            raise ConfigError(f"run.algo = {self.run.algo!r}: this version runs 'diloco' or 'ddp'")
+        if self.diloco.codec not in ("fp32", "uint8"):
+            raise ConfigError(f"diloco.codec = {self.diloco.codec!r}: use 'fp32' or 'uint8'")
+        if self.model.d_model % self.model.n_heads:
+            raise ConfigError("model.d_model must be divisible by model.n_heads")
+        for name, value in (("run.steps", self.run.steps), ("diloco.inner_steps", self.diloco.inner_steps),
+                            ("ddp.epoch_steps", self.ddp.epoch_steps), ("inner.batch_size", self.inner.batch_size)):
+            if value < 1:
+                raise ConfigError(f"{name} must be >= 1 (got {value})")
+
+
+def _apply(target: Any, section: str, values: dict[str, Any]) -> None:
+    fields = {f.name: f for f in dataclasses.fields(target)}
+    for key, value in values.items():
+        if key not in fields:
+            raise ConfigError(f"unknown key {section}.{key}; known: {', '.join(fields)}")
+        current = getattr(target, key)
+        try:
+            if isinstance(current, bool):
+                if not isinstance(value, bool):
+                    raise TypeError
+            elif isinstance(current, int):
+                if isinstance(value, bool) or float(value) != int(value):
+                    raise TypeError
+                value = int(value)
+            elif isinstance(current, float):
+                value = float(value)
+            elif isinstance(current, str):
+                if not isinstance(value, str):
+                    raise TypeError
+        except (TypeError, ValueError):
+            raise ConfigError(f"{section}.{key} = {value!r}: expected {type(current).__name__}") from None
+        setattr(target, key, value)
+
+
+def default_config() -> RunConfig:
+    text = resources.files("lowcomm").joinpath("configs/default.toml").read_text()
+    return RunConfig.from_dict(tomllib.loads(text))
+
+
+def load_config(path: str | Path | None) -> RunConfig:
+    """The embedded default, with the TOML file at `path` (if any) layered on top."""
+    config = default_config()
+    if path is None:
+        return config
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path} is not valid TOML: {e}") from None
+    merged = config.to_dict()
+    for section, values in raw.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: top-level key {section!r} must be a [table]")
+        merged.setdefault(section, {}).update(values)
+    return RunConfig.from_dict(merged)
