@@ -1,0 +1,87 @@
+"""DiLoCo (ALGORITHMS.md §1): H inner steps, then an outer Nesterov-SGD step on the mean pseudo-gradient.
+
+    θ ← φ;  H steps of the inner optimizer on local data
+    Δ_r = φ − θ_r                       # sign matters: the outer step descends Δ
+    Δ̄  = mean_r Δ_r                     # the collective (weighted by tokens)
+    φ  ← OuterSGD(φ, grad=Δ̄, lr=η_out, momentum=μ, nesterov)
+
+φ and the outer optimizer live on the CPU in float32 on every peer, so every replica computes the
+same φ from the same aggregate whatever its accelerator. The inner loop belongs to the caller.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lowcomm.algorithms.state import tensors_hash
+from lowcomm.collectives.base import Collective, GroupKey, RoundResult
+from lowcomm.config import DilocoConfig
+
+
+class DiLoCo:
+    def __init__(self, model: nn.Module, config: DilocoConfig, collective: Collective, key: GroupKey):
+        self.model = model
+        self.config = config
+        self.collective = collective
+        self.key = key
+        self.names = [name for name, _ in model.named_parameters()]
+        self.phi = [nn.Parameter(p.detach().to("cpu", torch.float32).clone()) for p in model.parameters()]
+        self.outer = torch.optim.SGD(self.phi, lr=config.outer_lr, momentum=config.outer_momentum,
+                                     nesterov=config.nesterov and config.outer_momentum > 0)
+
+    def pseudo_gradient(self) -> torch.Tensor:
+        """Δ = φ − θ, flattened, on the CPU in float32."""
+        theta = torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in self.model.parameters()])
+        return torch.cat([p.detach().reshape(-1) for p in self.phi]) - theta
+
+    def start_sync(self, round_: int, weight: float):
+        return self.collective.start(self.key, round_, self.pseudo_gradient(), weight)
+
+    def apply(self, result: RoundResult) -> None:
+        """The outer step on the agreed aggregate, then θ ← φ."""
+        offset = 0
+        for p in self.phi:
+            p.grad = result.aggregate[offset:offset + p.numel()].reshape(p.shape).clone()
+            offset += p.numel()
+        self.outer.step()
+        self.outer.zero_grad(set_to_none=True)
+        self.load_phi_into_model()
+
+    def sync(self, round_: int, weight: float, timeout: float | None = None) -> RoundResult:
+        result = self.start_sync(round_, weight).result(timeout)
+        self.apply(result)
+        return result
+
+    def load_phi_into_model(self) -> None:
+        with torch.no_grad():
+            for p, phi in zip(self.model.parameters(), self.phi):
+                p.copy_(phi.to(p.device, p.dtype))
+
+    def phi_hash(self) -> str:
+        return tensors_hash(self.phi)
+
+    # ---- state for joiners, resyncs and checkpoints ------------------------------------------
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, p in zip(self.names, self.phi):
+            out[f"phi.{name}"] = p.detach()
+            buf = self.outer.state.get(p, {}).get("momentum_buffer")
+            out[f"momentum.{name}"] = buf if buf is not None else torch.zeros_like(p)
+        return out
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, p in zip(self.names, self.phi):
+                p.copy_(tensors[f"phi.{name}"])
+                if self.config.outer_momentum > 0:
+                    self.outer.state[p]["momentum_buffer"] = tensors[f"momentum.{name}"].clone()
+        self.load_phi_into_model()
+
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = {}
+        for name, p in zip(self.names, self.phi):
+            shapes[f"phi.{name}"] = tuple(p.shape)
+            shapes[f"momentum.{name}"] = tuple(p.shape)
+        return shapes

@@ -1,0 +1,129 @@
+"""Round membership: peers announce for a round in the DHT and follow one manifest written by a leader.
+
+The leader is the lowest peer id among the announcers; if its manifest does not appear within
+`manifest_s`, the next announcer in id order writes one, and so on. Readers follow the manifest of
+the lowest-id writer they see. A manifest fixes the ordered member list, which members own a shard
+(client-mode peers own none), and how many consecutive rounds it covers (a membership epoch, so
+per-step algorithms do not touch the DHT every step).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+
+from lowcomm.collectives.base import CollectiveError, NotInRound
+from lowcomm.config import SyncConfig
+from lowcomm.transport.control import ControlPlane
+
+logger = logging.getLogger(__name__)
+POLL_S = 0.05
+
+
+@dataclass
+class Manifest:
+    run: str
+    group: str
+    round: int  # first round of the epoch
+    epoch_rounds: int
+    leader: str
+    members: list[str]
+    endpoints: dict[str, str]
+    owners: list[str]
+    codec: str
+
+    def covers(self, round_: int) -> bool:
+        return self.round <= round_ < self.round + self.epoch_rounds
+
+    def shard_bounds(self, numel: int) -> list[tuple[int, int]]:
+        """Contiguous, near-equal shards, one per owner, in owner order."""
+        n = len(self.owners)
+        base, extra = divmod(numel, n)
+        bounds, start = [], 0
+        for j in range(n):
+            end = start + base + (1 if j < extra else 0)
+            bounds.append((start, end))
+            start = end
+        return bounds
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "Manifest":
+        manifest = cls(**{k: raw[k] for k in cls.__dataclass_fields__})
+        if not manifest.owners or not set(manifest.owners) <= set(manifest.members):
+            raise ValueError("manifest has no owners or an owner outside its members")
+        if set(manifest.endpoints) != set(manifest.members):
+            raise ValueError("manifest endpoints do not match its members")
+        return manifest
+
+
+class ManifestAgreement:
+    """Agrees with the other peers on who takes part in a round."""
+
+    def __init__(self, control: ControlPlane, sync: SyncConfig, endpoint: str, client_mode: bool = False):
+        self.control = control
+        self.sync = sync
+        self.endpoint = endpoint
+        self.client_mode = client_mode
+        self.me = control.identity.peer_id
+
+    def agree(self, group: str, round_: int, epoch_rounds: int, codec: str,
+              suspects: frozenset[str] = frozenset()) -> Manifest:
+        ttl = self.sync.record_ttl_s + self.sync.announce_s + self.sync.manifest_s * 4
+        self.control.announce(group, round_, {"endpoint": self.endpoint, "client_mode": self.client_mode}, ttl)
+        announcers = self._gather(group, round_, suspects)
+        order = sorted(announcers)
+        published = False
+        started = time.monotonic()
+        while True:
+            manifests = self.control.manifests(group, round_)
+            if manifests:
+                return self._follow(manifests, group, round_)
+            turn = int((time.monotonic() - started) // self.sync.manifest_s)
+            if turn >= len(order):
+                raise CollectiveError(f"no manifest for round {round_} after {len(order)} candidate leaders")
+            if order[turn] == self.me and not published:
+                announcers = self.control.announcers(group, round_) or announcers
+                self._publish(group, round_, epoch_rounds, codec, announcers, ttl)
+                published = True
+            time.sleep(POLL_S)
+
+    def _gather(self, group: str, round_: int, suspects: frozenset[str]) -> dict[str, dict]:
+        """Announcers, once every live peer due in this round has announced or `announce_s` passed."""
+        deadline = time.monotonic() + self.sync.announce_s
+        while True:
+            announcers = self.control.announcers(group, round_)
+            due = {p for p, rec in self.control.live_peers().items()
+                   if rec.state == "training" and rec.round <= round_ and p not in suspects}
+            if (due | {self.me}) <= set(announcers) or time.monotonic() >= deadline:
+                announcers.setdefault(self.me, {"endpoint": self.endpoint, "client_mode": self.client_mode})
+                return announcers
+            time.sleep(POLL_S)
+
+    def _publish(self, group, round_, epoch_rounds, codec, announcers, ttl) -> None:
+        members = sorted(p for p, v in announcers.items() if isinstance(v.get("endpoint"), str))
+        owners = [p for p in members if not announcers[p].get("client_mode")]
+        manifest = Manifest(self.control.run, group, round_, epoch_rounds, self.me, members,
+                            {p: announcers[p]["endpoint"] for p in members}, owners, codec)
+        self.control.publish_manifest(group, round_, manifest.to_dict(), ttl)
+        logger.info("round %d: wrote the manifest for %d members", round_, len(members))
+
+    def _follow(self, manifests: dict[str, dict], group: str, round_: int) -> Manifest:
+        # A brief second look lets a lower-id leader's manifest that raced ours win everywhere.
+        time.sleep(POLL_S * 2)
+        manifests = self.control.manifests(group, round_) or manifests
+        for writer in sorted(manifests):
+            try:
+                manifest = Manifest.from_dict(manifests[writer])
+            except (KeyError, TypeError, ValueError) as e:
+                logger.warning("ignored a malformed manifest from %s: %s", writer, e)
+                continue
+            if manifest.round != round_ or manifest.group != group:
+                continue
+            if self.me not in manifest.members:
+                raise NotInRound(f"round {round_}: this peer is not in the manifest (announced too late)")
+            return manifest
+        raise CollectiveError(f"round {round_}: every manifest was malformed")

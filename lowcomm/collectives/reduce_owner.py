@@ -1,0 +1,154 @@
+"""The owner's side of the sharded reduce: collect contributions for my shard, reduce, reply encoded.
+
+An owner opens a slot for (group, round) when it starts that round. Contributions that arrive
+before the slot opens wait for it (within their own deadline); contributions for a round the owner
+has left behind are refused as stale; a second contribution from the same sender is refused as a
+replay. The slot closes when every member has contributed or its deadline passes; the reduced
+shard is encoded once and the same bytes go to every caller, so every replica applies identical
+values. Every received shard (own or others') is kept for one round so holes can be filled.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from lowcomm.compress import CodecError, get_codec
+
+logger = logging.getLogger(__name__)
+KEEP_ROUNDS = 2
+
+
+class ContributionRejected(ValueError):
+    """A contribution failed validation; the message goes back to its sender."""
+
+
+@dataclass
+class Slot:
+    group: str
+    round: int
+    shard: int
+    members: frozenset[str]
+    numel: int
+    codec_name: str
+    zstd_level: int
+    deadline: float  # time.monotonic()
+    total: torch.Tensor = None
+    weight: float = 0.0
+    contributors: set[str] = field(default_factory=set)
+    blob: bytes | None = None
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+    def add(self, sender: str, values: torch.Tensor, weight: float) -> None:
+        with self.cond:
+            if self.blob is not None:
+                raise ContributionRejected(f"round {self.round} shard {self.shard} already closed")
+            if sender in self.contributors:
+                raise ContributionRejected(f"replay: {sender} already contributed to round {self.round}")
+            contribution = values.to(torch.float32) * weight
+            self.total = contribution if self.total is None else self.total + contribution
+            self.weight += weight
+            self.contributors.add(sender)
+            if self.contributors >= self.members:
+                self.cond.notify_all()
+
+    def result(self) -> tuple[bytes, list[str]]:
+        """Waits for every member or the deadline, then returns the encoded reduced shard."""
+        with self.cond:
+            while self.blob is None and not self.contributors >= self.members:
+                remaining = self.deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self.cond.wait(remaining)
+            if self.blob is None:
+                self._close()
+            return self.blob, sorted(self.contributors)
+
+    def _close(self) -> None:
+        codec = get_codec(self.codec_name, zstd_level=self.zstd_level)
+        if self.total is None:  # nobody contributed, not even the owner: an empty round
+            mean = torch.zeros(self.numel)
+        else:
+            mean = self.total / self.weight
+        self.blob = codec.encode(mean)
+        self.cond.notify_all()
+
+
+class OwnerSlots:
+    """All slots and held shards of one peer, by (group, round)."""
+
+    def __init__(self):
+        self._slots: dict[tuple[str, int], Slot] = {}
+        self._held: dict[tuple[str, int, int], tuple[bytes, list[str]]] = {}
+        self._newest: dict[str, int] = {}
+        self._cond = threading.Condition()
+        self.rejected = 0
+
+    def open(self, slot: Slot) -> Slot:
+        with self._cond:
+            key = (slot.group, slot.round)
+            if key not in self._slots:
+                self._slots[key] = slot
+            self._newest[slot.group] = max(self._newest.get(slot.group, -1), slot.round)
+            self._forget_old(slot.group)
+            self._cond.notify_all()
+            return self._slots[key]
+
+    def wait_slot(self, group: str, round_: int, timeout: float) -> Slot:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while (group, round_) not in self._slots:
+                if self._newest.get(group, -1) > round_:
+                    raise ContributionRejected(f"stale round {round_}: this owner is at round {self._newest[group]}")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"round {round_} not opened here within the deadline")
+                self._cond.wait(remaining)
+            return self._slots[(group, round_)]
+
+    def hold(self, group: str, round_: int, shard: int, blob: bytes, contributors: list[str]) -> None:
+        with self._cond:
+            self._held[(group, round_, shard)] = (blob, list(contributors))
+            self._cond.notify_all()
+
+    def held(self, group: str, round_: int, shard: int, timeout: float) -> tuple[bytes, list[str]] | None:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while (group, round_, shard) not in self._held:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._cond.wait(remaining)
+            return self._held[(group, round_, shard)]
+
+    def _forget_old(self, group: str) -> None:
+        floor = self._newest[group] - KEEP_ROUNDS
+        for key in [k for k in self._slots if k[0] == group and k[1] < floor]:
+            del self._slots[key]
+        for key in [k for k in self._held if k[0] == group and k[1] < floor]:
+            del self._held[key]
+
+
+def decode_contribution(blob: bytes, codec_name: str, numel: int) -> torch.Tensor:
+    """Decodes a blob from the network, insisting on the expected size and finite values."""
+    try:
+        values = get_codec(codec_name).decode(blob)
+    except CodecError as e:
+        raise ContributionRejected(f"undecodable payload: {e}") from None
+    if values.numel() != numel:
+        raise ContributionRejected(f"payload has {values.numel()} elements, the shard has {numel}")
+    values = values.reshape(-1).to(torch.float32)
+    if not torch.isfinite(values).all():
+        raise ContributionRejected("payload contains NaN or Inf")
+    return values
+
+
+def validate_weight(weight: float, cap: float = 1e12) -> float:
+    if not math.isfinite(weight) or weight <= 0 or weight > cap:
+        raise ContributionRejected(f"weight {weight} is not a positive finite number of tokens")
+    return float(weight)

@@ -1,0 +1,254 @@
+"""The sharded reduce over gRPC (hivemind's butterfly, with one decision per shard).
+
+Each member cuts the flat payload into one part per shard owner and streams part j to owner j;
+owner j reduces what arrived by the deadline and returns the *encoded* reduced shard with its
+contributor list; every member (the owner too) decodes those same bytes, so replicas agree
+exactly. A shard whose owner died mid-reply is fetched from any member that received it; if no
+one did, the round is incomplete for this peer and it must resync state.
+
+Membership comes from a manifest (collectives.manifest) that covers `epoch_rounds` rounds; a
+round in which some member failed to contribute ends the epoch, and the exclusion travels in the
+owners' contributor lists, so every member sees the same failure and re-forms the group.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from lowcomm.collectives.base import CollectiveError, GroupKey, RoundResult
+from lowcomm.collectives.manifest import Manifest, ManifestAgreement
+from lowcomm.collectives.reduce_owner import (ContributionRejected, OwnerSlots, Slot, decode_contribution,
+                                              validate_weight)
+from lowcomm.compress import get_codec
+from lowcomm.config import SyncConfig
+from lowcomm.proto import wire_pb2
+from lowcomm.transport.service import PeerService
+from lowcomm.transport.wire import Channels, Traffic, WireError, assemble, slices
+
+logger = logging.getLogger(__name__)
+OK = wire_pb2.ReduceReply.OK
+
+
+def max_blob_bytes(numel: int) -> int:
+    """The largest encoded shard accepted: dense fp32 plus frame and codebook slack."""
+    return numel * 4 + (64 << 10)
+
+
+@dataclass
+class ShardReply:
+    values: torch.Tensor
+    contributors: list[str]
+    blob: bytes
+
+
+class ShardedReduce:
+    """A peer's collective: `start(key, round, payload, weight).result(deadline)`."""
+
+    def __init__(self, peer_id: str, service: PeerService, channels: Channels, traffic: Traffic,
+                 agreement: ManifestAgreement, sync: SyncConfig, codec: str, epoch_rounds: int = 1,
+                 on_event=None):
+        self.me = peer_id
+        self.channels = channels
+        self.traffic = traffic
+        self.agreement = agreement
+        self.sync = sync
+        self.codec = codec
+        self.epoch_rounds = epoch_rounds
+        self.slots = OwnerSlots()
+        self.on_event = on_event or (lambda kind, **fields: None)
+        self._manifests: dict[str, Manifest] = {}
+        self._suspects: dict[str, frozenset[str]] = {}
+        self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="reduce")
+        service.reduce_handler = self._serve_reduce
+        service.shard_handler = self._serve_shard
+
+    # ---- the caller's side ----------------------------------------------------------------
+
+    def start(self, key: GroupKey, round_: int, payload: torch.Tensor, weight: float = 1.0) -> "ReduceHandle":
+        flat = payload.detach().reshape(-1).to(torch.float32).cpu()
+        future = self._pool.submit(self._run, key, round_, flat, float(weight))
+        return ReduceHandle(future)
+
+    def end_epoch(self, key: GroupKey) -> None:
+        """Forces a fresh manifest for the next round (after a resync or a failure)."""
+        self._manifests.pop(key.group, None)
+
+    def _manifest_for(self, key: GroupKey, round_: int) -> Manifest:
+        manifest = self._manifests.get(key.group)
+        if manifest is None or not manifest.covers(round_):
+            suspects = self._suspects.get(key.group, frozenset())
+            manifest = self.agreement.agree(key.group, round_, self.epoch_rounds, self.codec, suspects)
+            self._manifests[key.group] = manifest
+        return manifest
+
+    def _run(self, key: GroupKey, round_: int, flat: torch.Tensor, weight: float) -> RoundResult:
+        t0 = time.monotonic()
+        manifest = self._manifest_for(key, round_)
+        t_manifest = time.monotonic()
+        deadline = t_manifest + self.sync.reduce_timeout_s
+        bounds = manifest.shard_bounds(flat.numel())
+        codec = get_codec(self.codec, zstd_level=self.sync.zstd_level)
+        my_shard = manifest.owners.index(self.me) if self.me in manifest.owners else None
+        if my_shard is not None:
+            start, end = bounds[my_shard]
+            slot = self.slots.open(Slot(key.group, round_, my_shard, frozenset(manifest.members), end - start,
+                                        self.codec, self.sync.zstd_level, deadline))
+        sends = {}
+        for j, owner in enumerate(manifest.owners):
+            part = flat[bounds[j][0]:bounds[j][1]]
+            if owner == self.me:
+                slot.add(self.me, part, weight)
+            else:
+                sends[j] = self._pool.submit(self._send, manifest, key, round_, j, codec.encode(part), weight,
+                                             bounds[j][1] - bounds[j][0], deadline)
+        replies: dict[int, ShardReply] = {}
+        if my_shard is not None:
+            blob, contributors = slot.result()
+            numel = bounds[my_shard][1] - bounds[my_shard][0]
+            replies[my_shard] = ShardReply(decode_contribution(blob, self.codec, numel), contributors, blob)
+        for j, future in sends.items():
+            try:
+                replies[j] = future.result(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
+            except Exception as e:  # a dead, slow or misbehaving owner: a hole to fill
+                self.on_event("timeout", round=round_, owner=manifest.owners[j], error=str(e)[:200])
+        for j, reply in replies.items():
+            self.slots.hold(key.group, round_, j, reply.blob, reply.contributors)
+        missing = [j for j in range(len(manifest.owners)) if j not in replies]
+        for j in missing:
+            filled = self._fill_hole(manifest, key, round_, j, bounds[j][1] - bounds[j][0])
+            if filled is not None:
+                replies[j] = filled
+                self.slots.hold(key.group, round_, j, filled.blob, filled.contributors)
+                self.on_event("hole_filled", round=round_, shard=j, owner=manifest.owners[j])
+        if len(replies) < len(manifest.owners):
+            self.end_epoch(key)
+            raise CollectiveError(f"round {round_}: shards {sorted(set(range(len(manifest.owners))) - set(replies))}"
+                                  " could not be obtained from their owner or any holder")
+        aggregate = torch.cat([replies[j].values for j in range(len(manifest.owners))])
+        contributors = sorted(set.intersection(*(set(r.contributors) for r in replies.values())))
+        absent = set(manifest.members) - set(contributors)
+        if absent:  # the exclusion every member reads from the same owner replies
+            self._suspects[key.group] = frozenset(absent)
+            self.end_epoch(key)
+        elif manifest.round + manifest.epoch_rounds - 1 == round_:
+            self._suspects[key.group] = frozenset()
+        return RoundResult(aggregate, contributors, list(manifest.members),
+                           {"manifest_s": t_manifest - t0, "reduce_s": time.monotonic() - t_manifest,
+                            "leader": manifest.leader, "epoch": manifest.round,
+                            "shard_contributors": {j: r.contributors for j, r in replies.items()}})
+
+    def _send(self, manifest: Manifest, key: GroupKey, round_: int, shard: int, blob: bytes, weight: float,
+              numel: int, deadline: float) -> ShardReply:
+        owner = manifest.owners[shard]
+        stub = self.channels.stub(manifest.endpoints[owner])
+
+        def chunks():
+            for i, data in enumerate(slices(blob, self.sync.chunk_bytes)):
+                if i == 0:
+                    chunk = wire_pb2.ReduceChunk(run_id=key.run, group=key.group, round=round_,
+                                                 epoch=manifest.round, sender=self.me, shard=shard, weight=weight,
+                                                 codec=self.codec, total_bytes=len(blob), data=data)
+                else:
+                    chunk = wire_pb2.ReduceChunk(data=data)
+                self.traffic.count_sent(chunk)
+                yield chunk
+
+        timeout = max(0.1, deadline - time.monotonic() + 0.5)
+        return self._read_reply(stub.Reduce(chunks(), timeout=timeout), shard, numel)
+
+    def _read_reply(self, stream, shard: int, numel: int) -> ShardReply:
+        first, datas = None, []
+        for reply in stream:
+            self.traffic.count_received(reply)
+            if first is None:
+                first = reply
+                if reply.status != OK:
+                    raise CollectiveError(f"owner of shard {shard} refused: {reply.error}")
+            datas.append(reply.data)
+        if first is None:
+            raise CollectiveError(f"owner of shard {shard} sent no reply")
+        blob = assemble(first.total_bytes, datas, max_blob_bytes(numel))
+        try:
+            values = decode_contribution(blob, self.codec, numel)
+        except ContributionRejected as e:
+            raise CollectiveError(f"owner of shard {shard} replied with a bad aggregate: {e}") from None
+        return ShardReply(values, list(first.contributors), blob)
+
+    def _fill_hole(self, manifest: Manifest, key: GroupKey, round_: int, shard: int, numel: int):
+        owner = manifest.owners[shard]
+        for member in manifest.members:
+            if member in (self.me, owner):
+                continue
+            request = wire_pb2.ShardRequest(run_id=key.run, group=key.group, round=round_, shard=shard, wait_s=1.0)
+            self.traffic.count_sent(request)
+            try:
+                stub = self.channels.stub(manifest.endpoints[member])
+                return self._read_reply(stub.GetShard(request, timeout=self.sync.manifest_s), shard, numel)
+            except (grpc.RpcError, CollectiveError, WireError) as e:
+                logger.info("round %d: %s could not fill shard %d: %s", round_, member, shard, e)
+        return None
+
+    # ---- the owner's side -----------------------------------------------------------------
+
+    def _serve_reduce(self, requests, context):
+        first = next(requests, None)
+        if first is None:
+            raise ContributionRejected("empty stream")
+        try:
+            validate_weight(first.weight)
+            slot = self.slots.wait_slot(first.group, first.round, timeout=max(0.0, context.time_remaining() or 0))
+            if first.sender not in slot.members:
+                raise ContributionRejected(f"{first.sender!r} is not a member of round {first.round}")
+            if first.shard != slot.shard or first.codec != slot.codec_name:
+                raise ContributionRejected(f"shard {first.shard}/codec {first.codec!r} do not match this owner's "
+                                           f"shard {slot.shard}/{slot.codec_name!r}")
+            blob = assemble(first.total_bytes, self._datas(first, requests), max_blob_bytes(slot.numel))
+            slot.add(first.sender, decode_contribution(blob, first.codec, slot.numel), first.weight)
+        except (ContributionRejected, WireError, TimeoutError) as e:
+            self.slots.rejected += 1
+            self.on_event("reject", round=int(first.round), sender=first.sender[:40], error=str(e)[:200])
+            yield wire_pb2.ReduceReply(status=wire_pb2.ReduceReply.REJECTED, round=first.round, shard=first.shard,
+                                       error=str(e))
+            return
+        blob, contributors = slot.result()
+        yield from self._reply_chunks(blob, contributors, slot.round, slot.shard)
+
+    @staticmethod
+    def _datas(first, requests):
+        yield first.data
+        for chunk in requests:
+            yield chunk.data
+
+    def _serve_shard(self, request, context):
+        held = self.slots.held(request.group, request.round, request.shard, timeout=min(max(request.wait_s, 0), 5.0))
+        if held is None:
+            yield wire_pb2.ReduceReply(status=wire_pb2.ReduceReply.NOT_READY, round=request.round,
+                                       shard=request.shard, error="shard not held here")
+            return
+        yield from self._reply_chunks(held[0], held[1], request.round, request.shard)
+
+    def _reply_chunks(self, blob: bytes, contributors: list[str], round_: int, shard: int):
+        for i, data in enumerate(slices(blob, self.sync.chunk_bytes)):
+            if i == 0:
+                yield wire_pb2.ReduceReply(status=OK, round=round_, shard=shard, contributors=contributors,
+                                           codec=self.codec, total_bytes=len(blob), data=data)
+            else:
+                yield wire_pb2.ReduceReply(data=data)
+
+
+class ReduceHandle:
+    def __init__(self, future):
+        self._future = future
+
+    def result(self, deadline: float | None = None) -> RoundResult:
+        return self._future.result(timeout=deadline)
+
+    def done(self) -> bool:
+        return self._future.done()

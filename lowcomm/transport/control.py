@@ -1,0 +1,190 @@
+"""The control plane on hivemind's DHT: run config, peer records, round announcements, manifests, φ hashes.
+
+Every record lives under a subkey that carries its writer's `[owner:<public key>]` marker, so
+hivemind's RSASignatureValidator makes it writable by that key only; readers further check that a
+record's `peer_id` field is the hash of that key, and drop (and count) anything else. The run
+config is read only from the subkey of the coordinator's key given in the join command.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import hivemind
+from hivemind.utils import get_dht_time
+
+from lowcomm.config import ConfigError, RunConfig
+from lowcomm.transport.identity import Identity, peer_id_of
+
+logger = logging.getLogger(__name__)
+
+
+class ConfigRejected(RuntimeError):
+    """No run config signed by the expected coordinator key was found in the DHT."""
+
+
+@dataclass
+class PeerRecord:
+    """What a peer says about itself; it expires unless refreshed by heartbeats."""
+
+    peer_id: str
+    endpoint: str
+    state: str = "joining"  # joining | training | leaving
+    device: str = "cpu"
+    throughput: float = 0.0  # tokens per second of compute, measured
+    round: int = 0  # rounds of global state this peer holds
+    step: int = 0
+    client_mode: bool = False
+    heartbeat: float = field(default_factory=get_dht_time)
+
+    @classmethod
+    def from_value(cls, value: Any) -> "PeerRecord":
+        if not isinstance(value, dict):
+            raise ValueError("peer record is not a dict")
+        known = {k: value[k] for k in cls.__dataclass_fields__ if k in value}
+        record = cls(**known)
+        if not isinstance(record.peer_id, str) or not isinstance(record.endpoint, str):
+            raise ValueError("peer record has no peer_id or endpoint")
+        record.round, record.step = int(record.round), int(record.step)
+        return record
+
+
+class ControlPlane:
+    """One peer's (or the coordinator's) view of the run's DHT records."""
+
+    def __init__(self, dht: hivemind.DHT, identity: Identity, run: str):
+        self.dht = dht
+        self.identity = identity
+        self.run = run
+        self.rejected_records = 0
+
+    @classmethod
+    def start(cls, identity: Identity, run: str, initial_peers: list[str] | None = None,
+              host: str = "127.0.0.1", port: int = 0, announce_maddrs: list[str] | None = None) -> "ControlPlane":
+        dht = hivemind.DHT(
+            initial_peers=initial_peers or [],
+            host_maddrs=[f"/ip4/{host}/tcp/{port}"],
+            announce_maddrs=announce_maddrs,
+            record_validators=[identity.validator],
+            start=True,
+        )
+        return cls(dht, identity, run)
+
+    def visible_maddrs(self) -> list[str]:
+        return [str(m) for m in self.dht.get_visible_maddrs()]
+
+    def shutdown(self) -> None:
+        self.dht.shutdown()
+
+    # ---- generic signed records -------------------------------------------------------------
+
+    def _store(self, key: str, value: dict, ttl: float) -> bool:
+        return bool(self.dht.store(key, value, get_dht_time() + ttl, subkey=self.identity.owner_marker))
+
+    def _expire(self, key: str) -> None:
+        # A record can't be deleted; an already-expired overwrite makes it vanish everywhere.
+        self.dht.store(key, {"peer_id": self.identity.peer_id, "gone": True}, get_dht_time() + 0.5,
+                       subkey=self.identity.owner_marker)
+
+    def _read(self, key: str) -> dict[str, dict]:
+        """peer_id -> value for every well-formed record under `key` whose signer matches its peer_id."""
+        found = self.dht.get(key, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        out = {}
+        for subkey, item in found.value.items():
+            value = getattr(item, "value", None)
+            signer = peer_id_of(subkey) if isinstance(subkey, bytes) and subkey.startswith(b"[owner:") else None
+            if signer is None or not isinstance(value, dict) or value.get("peer_id") != signer:
+                self.rejected_records += 1
+                logger.warning("dropped a record under %s whose signer does not match its peer_id", key)
+                continue
+            if not value.get("gone"):
+                out[signer] = value
+        return out
+
+    # ---- run config -------------------------------------------------------------------------
+
+    def publish_config(self, config: RunConfig, version: int, ttl: float) -> None:
+        value = {"peer_id": self.identity.peer_id, "version": version, "config": config.to_json(),
+                 "hash": config.config_hash()}
+        if not self._store(f"{self.run}.config", value, ttl):
+            raise RuntimeError("could not store the run config in the DHT")
+
+    def fetch_config(self, coordinator_marker: bytes, timeout: float = 30.0) -> tuple[RunConfig, int]:
+        """The run config signed by the coordinator's key; refuses any other writer's config."""
+        expected = peer_id_of(coordinator_marker)
+        deadline = time.monotonic() + timeout
+        others = set()
+        while time.monotonic() < deadline:
+            records = self._read(f"{self.run}.config")
+            if expected in records:
+                value = records[expected]
+                try:
+                    config = RunConfig.from_json(value["config"])
+                except (ConfigError, KeyError, TypeError) as e:
+                    raise ConfigRejected(f"the coordinator's run config is invalid: {e}") from None
+                if config.config_hash() != value.get("hash"):
+                    raise ConfigRejected("the run config's hash does not match its contents")
+                return config, int(value.get("version", 0))
+            others |= set(records)
+            time.sleep(0.2)
+        hint = (f" (configs signed by other keys were refused: {sorted(others)})" if others else "")
+        raise ConfigRejected(
+            f"no run config for run {self.run!r} signed by the coordinator key {expected} within {timeout:.0f}s"
+            f"{hint}; check --coordinator and --run-key against the coordinator's printed join command")
+
+    # ---- peers -------------------------------------------------------------------------------
+
+    def publish_peer(self, record: PeerRecord, ttl: float) -> None:
+        record.heartbeat = get_dht_time()
+        self._store(f"{self.run}.peers", asdict(record), ttl)
+
+    def expire_peer(self) -> None:
+        self._expire(f"{self.run}.peers")
+
+    def live_peers(self) -> dict[str, PeerRecord]:
+        out = {}
+        for peer_id, value in self._read(f"{self.run}.peers").items():
+            try:
+                out[peer_id] = PeerRecord.from_value(value)
+            except (TypeError, ValueError):
+                self.rejected_records += 1
+        return out
+
+    # ---- rounds ------------------------------------------------------------------------------
+
+    def announce(self, group: str, round_: int, info: dict, ttl: float) -> None:
+        self._store(f"{self.run}.announce.{group}.{round_}", {"peer_id": self.identity.peer_id, **info}, ttl)
+
+    def announcers(self, group: str, round_: int) -> dict[str, dict]:
+        return self._read(f"{self.run}.announce.{group}.{round_}")
+
+    def publish_manifest(self, group: str, round_: int, manifest: dict, ttl: float) -> None:
+        self._store(f"{self.run}.manifest.{group}.{round_}", {"peer_id": self.identity.peer_id,
+                                                             "manifest": json.dumps(manifest)}, ttl)
+
+    def manifests(self, group: str, round_: int) -> dict[str, dict]:
+        out = {}
+        for writer, value in self._read(f"{self.run}.manifest.{group}.{round_}").items():
+            try:
+                manifest = json.loads(value["manifest"])
+            except (KeyError, TypeError, ValueError):
+                self.rejected_records += 1
+                continue
+            if isinstance(manifest, dict) and manifest.get("leader") == writer:
+                out[writer] = manifest
+            else:
+                self.rejected_records += 1
+        return out
+
+    def publish_phi_hash(self, group: str, round_: int, phi_hash: str, ttl: float) -> None:
+        self._store(f"{self.run}.phi.{group}.{round_}", {"peer_id": self.identity.peer_id, "hash": phi_hash}, ttl)
+
+    def phi_hashes(self, group: str, round_: int) -> dict[str, str]:
+        return {p: v["hash"] for p, v in self._read(f"{self.run}.phi.{group}.{round_}").items()
+                if isinstance(v.get("hash"), str)}

@@ -1,0 +1,96 @@
+"""The gRPC `Peer` service: counts traffic and hands each call to the layer that owns it.
+
+Collectives register the reduce and hole-filling handlers, the runtime registers the state
+provider; a call that arrives before its handler is registered gets a clear error, not a crash.
+Any exception a handler raises is turned into an error status and counted, never propagated.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, Iterator
+
+import grpc
+
+from lowcomm.proto import wire_pb2, wire_pb2_grpc
+from lowcomm.transport.wire import Channels, Traffic
+
+logger = logging.getLogger(__name__)
+
+
+class PeerService(wire_pb2_grpc.PeerServicer):
+    def __init__(self, peer_id: str, traffic: Traffic, channels: Channels):
+        self.peer_id = peer_id
+        self.traffic = traffic
+        self.channels = channels
+        self.round = 0
+        self.reduce_handler: Callable | None = None
+        self.shard_handler: Callable | None = None
+        self.state_handler: Callable | None = None
+        self._errors = 0
+        self._lock = threading.Lock()
+        self.on_error: Callable[[str, str], None] | None = None
+
+    @property
+    def errors(self) -> int:
+        return self._errors
+
+    def _failed(self, method: str, error: Exception, context) -> None:
+        with self._lock:
+            self._errors += 1
+        logger.warning("%s from %s failed: %s", method, context.peer(), error)
+        if self.on_error is not None:
+            self.on_error(method, str(error))
+
+    def _counted(self, replies: Iterator) -> Iterator:
+        for reply in replies:
+            self.traffic.count_sent(reply)
+            yield reply
+
+    def _counting(self, requests: Iterator) -> Iterator:
+        for request in requests:
+            self.traffic.count_received(request)
+            yield request
+
+    def Reduce(self, request_iterator, context):
+        if self.reduce_handler is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "this peer serves no reduce yet")
+        try:
+            yield from self._counted(self.reduce_handler(self._counting(request_iterator), context))
+        except Exception as e:  # hostile input must never take the server down
+            self._failed("Reduce", e, context)
+            yield wire_pb2.ReduceReply(status=wire_pb2.ReduceReply.REJECTED, error=f"{type(e).__name__}: {e}")
+
+    def GetShard(self, request, context):
+        self.traffic.count_received(request)
+        if self.shard_handler is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "this peer holds no shards")
+        try:
+            yield from self._counted(self.shard_handler(request, context))
+        except Exception as e:
+            self._failed("GetShard", e, context)
+            yield wire_pb2.ReduceReply(status=wire_pb2.ReduceReply.REJECTED, error=f"{type(e).__name__}: {e}")
+
+    def GetState(self, request, context):
+        self.traffic.count_received(request)
+        if self.state_handler is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "this peer has no state to give yet")
+        try:
+            yield from self._counted(self.state_handler(request, context))
+        except Exception as e:
+            self._failed("GetState", e, context)
+            yield wire_pb2.StateChunk(error=f"{type(e).__name__}: {e}")
+
+    def Ping(self, request, context):
+        self.traffic.count_received(request)
+        reply = wire_pb2.PingReply(peer_id=self.peer_id, round=self.round)
+        if request.dial_back:
+            try:
+                answer = self.channels.stub(request.dial_back).Ping(wire_pb2.PingRequest(sender=self.peer_id),
+                                                                     timeout=5.0)
+                reply.dial_back_ok = bool(answer.peer_id)
+            except grpc.RpcError as e:
+                reply.error = f"dial back to {request.dial_back} failed: {e.code().name}"
+        self.traffic.count_sent(reply)
+        return reply

@@ -1,0 +1,106 @@
+"""gRPC plumbing for the data plane: the server, channels with deadlines, chunked blobs, byte counting.
+
+Every message a peer sends (requests it makes and replies it serves) is counted in `traffic`, at
+its protobuf size plus gRPC's 5-byte message frame, so reports compare bytes on equal terms.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent import futures
+from typing import Iterable, Iterator
+
+import grpc
+
+from lowcomm.proto import wire_pb2_grpc
+
+GRPC_FRAME_BYTES = 5  # compressed flag + length prefix of every gRPC message
+MAX_CHUNK_BYTES = 4 << 20  # hard cap on one message, whatever the config says
+
+
+class WireError(RuntimeError):
+    """A malformed or oversized message, or a stream that broke its own header."""
+
+
+class Traffic:
+    """Thread-safe byte counters for one process."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.sent = 0
+        self.received = 0
+
+    def count_sent(self, message) -> None:
+        with self._lock:
+            self.sent += message.ByteSize() + GRPC_FRAME_BYTES
+
+    def count_received(self, message) -> None:
+        with self._lock:
+            self.received += message.ByteSize() + GRPC_FRAME_BYTES
+
+
+def channel_options(chunk_bytes: int) -> list[tuple[str, int]]:
+    limit = min(chunk_bytes, MAX_CHUNK_BYTES) + (64 << 10)
+    return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit),
+            ("grpc.enable_retries", 0), ("grpc.so_reuseport", 0)]
+
+
+def start_server(servicer: wire_pb2_grpc.PeerServicer, host: str, port: int, chunk_bytes: int,
+                 max_workers: int = 64) -> tuple[grpc.Server, int]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+                         options=channel_options(chunk_bytes))
+    wire_pb2_grpc.add_PeerServicer_to_server(servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind the gRPC server to {host}:{port}; pick another --port")
+    server.start()
+    return server, bound
+
+
+class Channels:
+    """One cached channel and stub per endpoint."""
+
+    def __init__(self, chunk_bytes: int):
+        self._options = channel_options(chunk_bytes)
+        self._stubs: dict[str, wire_pb2_grpc.PeerStub] = {}
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+
+    def stub(self, endpoint: str) -> wire_pb2_grpc.PeerStub:
+        with self._lock:
+            if endpoint not in self._stubs:
+                channel = grpc.insecure_channel(endpoint, options=self._options)
+                self._channels[endpoint] = channel
+                self._stubs[endpoint] = wire_pb2_grpc.PeerStub(channel)
+            return self._stubs[endpoint]
+
+    def close(self) -> None:
+        with self._lock:
+            for channel in self._channels.values():
+                channel.close()
+            self._channels.clear()
+            self._stubs.clear()
+
+
+def slices(blob: bytes, chunk_bytes: int) -> Iterator[bytes]:
+    """The blob cut into chunk-sized views; an empty blob still yields one (empty) chunk."""
+    step = max(1, min(chunk_bytes, MAX_CHUNK_BYTES))
+    view = memoryview(blob)
+    if not blob:
+        yield b""
+    for start in range(0, len(blob), step):
+        yield bytes(view[start:start + step])
+
+
+def assemble(first_total: int, datas: Iterable[bytes], max_bytes: int) -> bytes:
+    """Joins streamed chunks, refusing a declared or actual size above `max_bytes` or a short stream."""
+    if first_total > max_bytes:
+        raise WireError(f"declared size {first_total} bytes exceeds the limit of {max_bytes}")
+    out = bytearray()
+    for data in datas:
+        out += data
+        if len(out) > first_total:
+            raise WireError(f"stream carries more than its declared {first_total} bytes")
+    if len(out) != first_total:
+        raise WireError(f"stream ended after {len(out)} of its declared {first_total} bytes")
+    return bytes(out)
