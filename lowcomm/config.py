@@ -192,9 +192,9 @@ def load_config(path: str | Path | None) -> RunConfig:
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        raw = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path} is not valid TOML: {e}") from None
+        raw = json.loads(path.read_text()) if path.suffix == ".json" else tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path} is not valid TOML (or JSON): {e}") from None
     merged = config.to_dict()
     for section, values in raw.items():
         if not isinstance(values, dict):

@@ -97,7 +97,7 @@ class ManifestAgreement:
         while True:
             announcers = self.control.announcers(group, round_)
             due = {p for p, rec in self.control.live_peers().items()
-                   if rec.state == "training" and rec.round <= round_ and p not in suspects}
+                   if rec.state in ("training", "joining") and rec.round <= round_ and p not in suspects}
             if (due | {self.me}) <= set(announcers) or time.monotonic() >= deadline:
                 announcers.setdefault(self.me, {"endpoint": self.endpoint, "client_mode": self.client_mode})
                 return announcers

@@ -137,7 +137,7 @@ class OwnerSlots:
 def decode_contribution(blob: bytes, codec_name: str, numel: int) -> torch.Tensor:
     """Decodes a blob from the network, insisting on the expected size and finite values."""
     try:
-        values = get_codec(codec_name).decode(blob)
+        values = get_codec(codec_name, check_finite=True).decode(blob)
     except CodecError as e:
         raise ContributionRejected(f"undecodable payload: {e}") from None
     if values.numel() != numel:

@@ -63,6 +63,7 @@ class ShardedReduce:
         self.epoch_rounds = epoch_rounds
         self.slots = OwnerSlots()
         self.on_event = on_event or (lambda kind, **fields: None)
+        self.before_send = None  # fault-injection hook for tests: called with the round after the manifest
         self._manifests: dict[str, Manifest] = {}
         self._suspects: dict[str, frozenset[str]] = {}
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="reduce")
@@ -91,6 +92,8 @@ class ShardedReduce:
     def _run(self, key: GroupKey, round_: int, flat: torch.Tensor, weight: float) -> RoundResult:
         t0 = time.monotonic()
         manifest = self._manifest_for(key, round_)
+        if self.before_send is not None:
+            self.before_send(round_)
         t_manifest = time.monotonic()
         deadline = t_manifest + self.sync.reduce_timeout_s
         bounds = manifest.shard_bounds(flat.numel())

@@ -1,0 +1,174 @@
+"""The `lowcomm` command line: argument parsing only; the work happens in lowcomm.runtime."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from lowcomm.config import ConfigError, load_config
+
+
+def _add_coordinator(sub) -> None:
+    coordinator = sub.add_parser("coordinator", help="the run owner's node").add_subparsers(dest="action", required=True)
+    start = coordinator.add_parser("start", help="start the first DHT node, publish the signed run config")
+    start.add_argument("--config", type=Path, help="run config (TOML); defaults to the embedded default run")
+    start.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
+    start.add_argument("--port", type=int, default=0, help="DHT port (0 picks a free one)")
+    start.add_argument("--dashboard-port", type=int, default=None, help="reserved for the status page (not yet served)")
+    start.add_argument("--run-dir", type=Path, default=Path("lowcomm-runs/coordinator"),
+                       help="where the coordinator keeps its key and checkpoints")
+    start.add_argument("--resume", type=Path, help="restart the swarm from a checkpoint folder")
+    start.add_argument("--ready-file", type=Path, help=argparse.SUPPRESS)
+
+
+def _add_peer(sub) -> None:
+    peer = sub.add_parser("peer", help="a volunteer peer").add_subparsers(dest="action", required=True)
+    join = peer.add_parser("join", help="join a run and train")
+    join.add_argument("--coordinator", required=True, action="append", help="multiaddr of the coordinator or any peer")
+    join.add_argument("--run-key", required=True, help="the coordinator's public key, from its join command")
+    join.add_argument("--run", default="lowcomm-default", help="run name, from the join command")
+    join.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    join.add_argument("--config", type=Path, help="peer profile (TOML): reserved for per-peer settings")
+    join.add_argument("--host", default="127.0.0.1", help="address the data plane listens on")
+    join.add_argument("--port", type=int, default=0)
+    join.add_argument("--announce-addr", help="host:port other peers should dial (behind NAT or a proxy)")
+    join.add_argument("--client-mode", action="store_true", default=None,
+                      help="contribute without serving (for peers others cannot dial); detected if not given")
+    join.add_argument("--data-shard", type=int, help="which data shard to read (default: from the peer id)")
+    join.add_argument("--num-shards", type=int, default=64)
+    join.add_argument("--run-dir", type=Path, help="where to append this peer's JSONL records")
+    join.add_argument("--fault", help=argparse.SUPPRESS)
+    join.add_argument("--start-file", type=Path, help=argparse.SUPPRESS)
+
+
+def _add_simulate(sub) -> None:
+    simulate = sub.add_parser("simulate", help="a coordinator and N peers as local processes")
+    simulate.add_argument("--config", type=Path, help="run config (TOML); defaults to the embedded default run")
+    simulate.add_argument("--peers", type=int, default=4)
+    simulate.add_argument("--algo", choices=["ddp", "diloco"], help="overrides run.algo")
+    simulate.add_argument("--steps", type=int, help="inner steps per peer (overrides run.steps)")
+    simulate.add_argument("--seed", type=int, help="overrides run.seed")
+    simulate.add_argument("--inner-steps", type=int, help="DiLoCo H (overrides diloco.inner_steps)")
+    simulate.add_argument("--codec", choices=["fp32", "uint8"], help="DiLoCo payload codec")
+    simulate.add_argument("--report", type=Path, default=Path("report.json"))
+    simulate.add_argument("--run-dir", type=Path, help="folder for logs and peer records (default: beside the report)")
+    for unsupported in ("--stages", "--link", "--churn"):
+        simulate.add_argument(unsupported, help=argparse.SUPPRESS)
+    simulate.add_argument("--netns", action="store_true", help=argparse.SUPPRESS)
+
+
+def _add_status(sub) -> None:
+    status = sub.add_parser("status", help="list the live peers and latest rounds from the DHT")
+    status.add_argument("--coordinator", required=True, action="append")
+    status.add_argument("--run", default="lowcomm-default")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lowcomm", description="Low-communication decentralized training.")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_coordinator(sub)
+    _add_peer(sub)
+    _add_simulate(sub)
+    _add_status(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return {"coordinator": coordinator_start, "peer": peer_join, "simulate": simulate,
+                "status": status}[args.command](args)
+    except ConfigError as e:
+        print(f"lowcomm: config error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def coordinator_start(args) -> int:
+    from lowcomm.runtime.coordinator import Coordinator
+
+    coordinator = Coordinator(load_config(args.config), args.run_dir, args.host, args.port, args.resume,
+                              args.ready_file)
+    info = coordinator.start()
+    print(f"coordinator of run {info['run']} is up (config {info['config_hash']}"
+          + (f", resumed at round {info['resumed_round']}" if info["resumed_round"] is not None else "") + ")")
+    print("peers join with:\n  " + info["join_command"], flush=True)
+    coordinator.serve_forever()
+    return 0
+
+
+def peer_join(args) -> int:
+    from lowcomm.runtime.peer import Peer, PeerOptions
+
+    unsupported = [name for name in ("config",) if getattr(args, name)]
+    if unsupported:
+        print("lowcomm: peer profiles (--config) are not read yet; the run config comes from the coordinator",
+              file=sys.stderr)
+    options = PeerOptions(coordinator=args.coordinator, run_key=args.run_key, run_name=args.run, host=args.host,
+                          port=args.port, announce_addr=args.announce_addr, device=args.device,
+                          client_mode=args.client_mode, data_shard=args.data_shard, num_shards=args.num_shards,
+                          run_dir=args.run_dir, fault=args.fault, start_file=args.start_file)
+    return Peer(options).run()
+
+
+def simulate(args) -> int:
+    from lowcomm.runtime.sim import Simulation, SimulationError
+
+    for flag in ("stages", "link", "churn"):
+        if getattr(args, flag):
+            print(f"lowcomm: --{flag} is not available in this version (see the README's roadmap)", file=sys.stderr)
+            return 2
+    if args.netns:
+        print("lowcomm: --netns is not available in this version (see the README's roadmap)", file=sys.stderr)
+        return 2
+    config = load_config(args.config).override({"run.algo": args.algo, "run.steps": args.steps,
+                                                "run.seed": args.seed, "diloco.inner_steps": args.inner_steps,
+                                                "diloco.codec": args.codec})
+    run_dir = args.run_dir or args.report.with_suffix("").with_name(args.report.stem + "-run")
+    print(f"simulating {args.peers} peers, algo {config.run.algo}, {config.run.steps} steps each; "
+          f"records in {run_dir}", file=sys.stderr)
+    try:
+        report = Simulation(config, args.peers, run_dir).run()
+    except SimulationError as e:
+        print(f"lowcomm: simulation failed: {e}", file=sys.stderr)
+        return 1
+    args.report.parent.mkdir(parents=True, exist_ok=True)
+    args.report.write_text(json.dumps(report, indent=1))
+    print(f"final held-out loss {report['final_loss']:.4f}, {report['tokens']} tokens, "
+          f"{report['bytes_sent'] / 1e6:.2f} MB sent, wall {report['wall_s']:.1f}s, "
+          f"compute utilization {report['compute_utilization'] or 0:.2f}; report in {args.report}")
+    return 1 if report.get("failed_peers") else 0
+
+
+def status(args) -> int:
+    from lowcomm.transport.control import ControlPlane
+    from lowcomm.transport.identity import Identity
+
+    control = ControlPlane.start(Identity.generate(), args.run, initial_peers=args.coordinator)
+    try:
+        peers = control.live_peers()
+        now = time.time()
+        print(f"run {args.run}: {len(peers)} live records")
+        print(f"{'peer':22} {'state':12} {'round':>6} {'step':>7} {'tok/s':>9} {'age':>5}  endpoint")
+        for p in sorted(peers.values(), key=lambda r: r.peer_id):
+            print(f"{p.peer_id:22} {p.state:12} {p.round:>6} {p.step:>7} {p.throughput:>9.0f} "
+                  f"{now - p.heartbeat:>4.0f}s  {p.endpoint}{' (client mode)' if p.client_mode else ''}")
+        newest = max((p.round for p in peers.values()), default=0)
+        for round_ in range(max(0, newest - 2), newest + 1):
+            for writer, manifest in control.manifests("0-0", round_).items():
+                print(f"round {round_}: leader {writer}, {len(manifest['members'])} members")
+    finally:
+        control.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

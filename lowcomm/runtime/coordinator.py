@@ -1,0 +1,121 @@
+"""The run owner's node: first DHT node, signed run config, join command, checkpoints of the global model.
+
+Training does not depend on it: peers sync among themselves, and the config record it published
+outlives it for `CONFIG_TTL_S`. It checkpoints by downloading state from a training peer every
+`checkpoint.every_rounds` rounds; with `--resume DIR` it serves a checkpoint's state to the peers
+that join, and the run continues at that round.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+from lowcomm.config import RunConfig
+from lowcomm.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from lowcomm.runtime.state_transfer import Snapshot, StateError, StateHolder, download_state
+from lowcomm.transport.control import ControlPlane, PeerRecord
+from lowcomm.transport.identity import Identity
+from lowcomm.transport.service import PeerService
+from lowcomm.transport.wire import Channels, Traffic, start_server
+
+logger = logging.getLogger(__name__)
+CONFIG_TTL_S = 24 * 3600.0
+
+
+class Coordinator:
+    def __init__(self, config: RunConfig, run_dir: Path, host: str = "127.0.0.1", port: int = 0,
+                 resume: Path | None = None, ready_file: Path | None = None):
+        self.config = config
+        self.run_dir = Path(run_dir)
+        self.host, self.port = host, port
+        self.resume = resume
+        self.ready_file = ready_file
+        self.stop_requested = threading.Event()
+        self.identity = Identity.load_or_create(self.run_dir / "coordinator.key")
+        self.last_checkpoint_round = 0
+
+    def start(self) -> dict:
+        run = self.config.run.name
+        resumed = None
+        if self.resume is not None:
+            resumed = load_checkpoint(self.resume)
+            if resumed.config_hash != self.config.config_hash():
+                raise CheckpointError(f"checkpoint {self.resume} is for config {resumed.config_hash}, not "
+                                      f"{self.config.config_hash()}; pass the --config it was written with")
+            self.last_checkpoint_round = resumed.round
+        self.control = ControlPlane.start(self.identity, run, host=self.host, port=self.port)
+        self.control.publish_config(self.config, version=1, ttl=CONFIG_TTL_S)
+        self.traffic = Traffic()
+        self.channels = Channels(self.config.sync.chunk_bytes)
+        self.service = PeerService(self.identity.peer_id, self.traffic, self.channels)
+        self.holder = StateHolder(run, self.config.sync.chunk_bytes)
+        self.service.state_handler = self.holder.serve
+        self.server, grpc_port = start_server(self.service, self.host, 0, self.config.sync.chunk_bytes, max_workers=16)
+        self.record = PeerRecord(self.identity.peer_id, f"{self.host}:{grpc_port}", state="coordinator")
+        if resumed is not None:
+            self.holder.publish(resumed)
+            self.record.state, self.record.round = "holder", resumed.round
+        self.control.publish_peer(self.record, self.config.sync.record_ttl_s)
+        maddrs = self.control.visible_maddrs()
+        info = {"run": run, "maddrs": maddrs, "run_key": self.identity.public_key_text,
+                "endpoint": self.record.endpoint, "config_hash": self.config.config_hash(),
+                "resumed_round": resumed.round if resumed else None, "pid": os.getpid(),
+                "join_command": f"lowcomm peer join --coordinator {maddrs[0]} --run-key {self.identity.public_key_text}"
+                                f" --run {run}"}
+        if self.ready_file is not None:
+            tmp = Path(str(self.ready_file) + ".tmp")
+            tmp.write_text(json.dumps(info, indent=1))
+            os.replace(tmp, self.ready_file)
+        return info
+
+    def serve_forever(self) -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda *_: self.stop_requested.set())
+        refresh_at = 0.0
+        while not self.stop_requested.wait(1.0):
+            try:
+                if time.monotonic() >= refresh_at:
+                    self.control.publish_config(self.config, version=1, ttl=CONFIG_TTL_S)
+                    refresh_at = time.monotonic() + 60
+                self.control.publish_peer(self.record, self.config.sync.record_ttl_s)
+                self._maybe_checkpoint()
+            except Exception as e:  # keep serving; a failed checkpoint is retried next time
+                logger.warning("coordinator loop: %s", e)
+        self.shutdown()
+
+    def _maybe_checkpoint(self) -> None:
+        every = self.config.checkpoint.every_rounds
+        if every <= 0:
+            return
+        trainers = [r for r in self.control.live_peers().values() if r.state == "training" and not r.client_mode]
+        due = [r for r in trainers if r.round >= self.last_checkpoint_round + every]
+        if not due:
+            return
+        source = max(due, key=lambda r: r.round)
+        target = source.round - source.round % every
+        try:
+            state = download_state(self.channels, self.traffic, source.endpoint, self.config.run.name,
+                                   self.identity.peer_id, target, wait_s=0.0, timeout=60.0, max_bytes=8 << 30)
+        except StateError as e:
+            logger.info("checkpoint download failed: %s", e)
+            return
+        snapshot = Snapshot(int(state.round), int(state.tokens), state.config_hash, state.phi_hash, state.data)
+        if snapshot.config_hash != self.config.config_hash():
+            logger.warning("refused a checkpoint for another config from %s", source.peer_id)
+            return
+        path = save_checkpoint(self.run_dir / "checkpoints", snapshot, keep=self.config.checkpoint.keep)
+        self.last_checkpoint_round = snapshot.round
+        logger.info("checkpoint of round %d written to %s", snapshot.round, path)
+
+    def shutdown(self) -> None:
+        try:
+            self.server.stop(grace=1.0).wait(2.0)
+            self.channels.close()
+        finally:
+            self.control.shutdown()

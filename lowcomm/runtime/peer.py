@@ -1,0 +1,335 @@
+"""A peer's lifecycle: join the run, fetch the global state, train, sync every round, leave cleanly.
+
+    join:   DHT bootstrap → signed run config → gRPC server → reachability check → state download
+    train:  inner steps; at each sync point the algorithm's collective round; drift check on φ
+    leave:  on SIGINT/SIGTERM, finish or abandon the round, expire records, stop the servers
+
+A joiner waits for the next round boundary and downloads that round's state, so it contributes
+from that round on and trains from the current global model, never from scratch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lowcomm.algorithms.ddp import DataParallel
+from lowcomm.algorithms.diloco import DiLoCo
+from lowcomm.collectives.base import CollectiveError, GroupKey, NotInRound
+from lowcomm.collectives.manifest import ManifestAgreement
+from lowcomm.collectives.sharded_reduce import ShardedReduce
+from lowcomm.proto import wire_pb2
+from lowcomm.runtime.runlog import RunLog
+from lowcomm.runtime.state_transfer import StateError, StateHolder, decode_state, download_state, encode_state
+from lowcomm.runtime.trainer import LocalTrainer, pick_device
+from lowcomm.transport.control import ControlPlane, PeerRecord
+from lowcomm.transport.identity import Identity, owner_marker_from_text
+from lowcomm.transport.service import PeerService
+from lowcomm.transport.wire import Channels, Traffic, start_server
+
+logger = logging.getLogger(__name__)
+MAX_STATE_BYTES = 8 << 30
+
+
+@dataclass
+class PeerOptions:
+    coordinator: list[str]
+    run_key: str
+    run_name: str = "lowcomm-default"
+    host: str = "127.0.0.1"
+    port: int = 0
+    announce_addr: str | None = None
+    device: str = "auto"
+    client_mode: bool | None = None  # None: decided by a dial-back check at join
+    data_shard: int | None = None
+    num_shards: int = 64
+    run_dir: Path | None = None
+    fault: str | None = None  # test hook: "stall-sync@R" blocks inside round R's reduce
+    start_file: Path | None = None  # simulate's start barrier: train once this file exists
+
+
+class Peer:
+    def __init__(self, options: PeerOptions):
+        self.options = options
+        self.identity = Identity.generate()
+        self.me = self.identity.peer_id
+        self.stop_requested = threading.Event()
+        self.traffic = Traffic()
+        self.log = RunLog(options.run_dir / "peers" / f"{self.me}.jsonl" if options.run_dir else None, self.me)
+        self.record: PeerRecord | None = None
+        self._heartbeat_stop = threading.Event()
+
+    # ---- join -------------------------------------------------------------------------------
+
+    def _connect(self) -> None:
+        o = self.options
+        self.control = ControlPlane.start(self.identity, o.run_name, initial_peers=o.coordinator, host=o.host)
+        self.config, _ = self.control.fetch_config(owner_marker_from_text(o.run_key))
+        torch.set_num_threads(1)
+        sync = self.config.sync
+        self.channels = Channels(sync.chunk_bytes)
+        self.service = PeerService(self.me, self.traffic, self.channels)
+        self.service.on_error = lambda method, error: self.log.event("reject", method=method, error=error[:200])
+        self.server, port = start_server(self.service, o.host, o.port, sync.chunk_bytes)
+        self.endpoint = o.announce_addr or f"{o.host}:{port}"
+        self.client_mode = o.client_mode if o.client_mode is not None else not self._reachable()
+        self.holder = StateHolder(o.run_name, sync.chunk_bytes)
+        self.service.state_handler = self.holder.serve
+        device = pick_device(o.device)
+        shard = o.data_shard if o.data_shard is not None else int(self.me, 16) % o.num_shards
+        self.trainer = LocalTrainer(self.config, shard, o.num_shards, device)
+        self.record = PeerRecord(self.me, self.endpoint, "joining", device.type, client_mode=self.client_mode)
+        algo = self.config.run.algo
+        epoch_rounds = self.config.ddp.epoch_steps if algo == "ddp" else 1
+        codec = "fp32" if algo == "ddp" else self.config.diloco.codec
+        agreement = ManifestAgreement(self.control, sync, self.endpoint, self.client_mode)
+        self.collective = ShardedReduce(self.me, self.service, self.channels, self.traffic, agreement, sync, codec,
+                                        epoch_rounds, on_event=self.log.event)
+        self.collective.before_send = self._fault_hook
+        self.key = GroupKey(o.run_name)
+        if algo == "ddp":
+            self.algo = DataParallel(self.trainer.model, self.trainer.optimizer, self.collective, self.key)
+        else:
+            self.algo = DiLoCo(self.trainer.model, self.config.diloco, self.collective, self.key)
+        self.rounds_per_sync = 1 if algo == "ddp" else self.config.diloco.inner_steps
+        self.log.event("start", endpoint=self.endpoint, client_mode=self.client_mode, algo=algo,
+                       device=device.type, config_hash=self.config.config_hash())
+
+    def _reachable(self) -> bool:
+        """Asks a known peer (or the coordinator) to dial us back; no answer means client mode."""
+        for record in self.control.live_peers().values():
+            try:
+                reply = self.channels.stub(record.endpoint).Ping(
+                    wire_pb2.PingRequest(sender=self.me, dial_back=self.endpoint), timeout=10.0)
+                return reply.dial_back_ok
+            except Exception as e:  # any failure of the helper: try the next one
+                logger.info("reachability check through %s failed: %s", record.endpoint, e)
+        return True  # nobody to ask: we are the first, others will dial us
+
+    def _start_heartbeat(self) -> None:
+        def beat():
+            while not self._heartbeat_stop.wait(self.config.sync.heartbeat_s):
+                self._publish_record()
+        self._publish_record()
+        threading.Thread(target=beat, daemon=True, name="heartbeat").start()
+
+    def _publish_record(self) -> None:
+        try:
+            self.record.throughput = self.tokens_trained / max(self.trainer.compute_s, 1e-9)
+            self.control.publish_peer(self.record, self.config.sync.record_ttl_s)
+        except Exception as e:  # a heartbeat must never kill training
+            logger.warning("heartbeat failed: %s", e)
+
+    # ---- state ------------------------------------------------------------------------------
+
+    def _round_boundary_for(self, completed: int) -> int:
+        """The first round at which a newcomer can enter when others hold `completed` rounds."""
+        if self.config.run.algo == "ddp":
+            epoch = self.config.ddp.epoch_steps
+            return (completed // epoch + 1) * epoch
+        return completed + 1
+
+    def _fetch_state(self, min_round: int | None = None) -> bool:
+        """Downloads the global state from the peer with the newest round; False if there is none."""
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not self.stop_requested.is_set():
+            records = [r for p, r in self.control.live_peers().items()
+                       if p != self.me and r.state in ("training", "holder") and not r.client_mode]
+            trainers = [r for r in records if r.state == "training"]
+            if not records:
+                return False
+            if trainers and max(r.round for r in trainers) == 0 and not min_round:
+                return False  # the run is in its first round: start from the shared seeded φ_0 and join it
+            if trainers:
+                newest = max(r.round for r in trainers)
+                target = max(min_round or 0, self._round_boundary_for(newest))
+                source = random.choice([r for r in trainers if r.round == newest])
+            else:  # only a holder (a resumed coordinator): take its round as is
+                source = max(records, key=lambda r: r.round)
+                target = max(min_round or 0, source.round)
+            self.record.state, self.record.round = "joining", target
+            self._publish_record()
+            try:
+                state = download_state(self.channels, self.traffic, source.endpoint, self.options.run_name, self.me,
+                                       target, wait_s=120.0, timeout=60.0, max_bytes=MAX_STATE_BYTES)
+                if state.config_hash != self.config.config_hash():
+                    raise StateError(f"state is for config {state.config_hash}, this run is "
+                                     f"{self.config.config_hash()}")
+                tensors = decode_state(state.data, self.algo.expected_shapes())
+            except StateError as e:
+                self.log.event("state_error", source=source.peer_id, error=str(e)[:200])
+                continue
+            self.algo.load_state_tensors(tensors)
+            self.round, self.tokens_global = int(state.round), int(state.tokens)
+            self.step = self.round * self.rounds_per_sync
+            self.collective.end_epoch(self.key)
+            self._publish_snapshot()
+            self.log.event("state_received", source=source.peer_id, round=self.round, phi_hash=self.algo.phi_hash())
+            return True
+        return False
+
+    def _wait_start_barrier(self) -> None:
+        """Parks a simulated peer, fully started, until the launcher releases all peers at once."""
+        if self.options.start_file is None:
+            return
+        self.log.event("ready")
+        deadline = time.monotonic() + 3600
+        while not self.options.start_file.exists() and not self.stop_requested.is_set():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"start barrier {self.options.start_file} never appeared")
+            self.stop_requested.wait(0.05)
+
+    def _publish_snapshot(self) -> None:
+        snapshot = encode_state(self.algo.state_tensors(), self.round, self.tokens_global,
+                                self.config.config_hash(), self.algo.phi_hash())
+        self.holder.publish(snapshot)
+
+    def _resync(self, reason: str) -> None:
+        self.log.event("resync", round=self.round, reason=reason[:200])
+        if not self._fetch_state(min_round=self.round + 1):
+            raise RuntimeError("no peer to resync from; leaving the run")
+
+    def _drift_check(self, round_: int) -> None:
+        """A peer whose φ hash disagrees with the majority of round `round_` resyncs from the majority."""
+        hashes = self.control.phi_hashes(self.key.group, round_)
+        if len(hashes) < 3 or self.me not in hashes:
+            return
+        majority, votes = Counter(hashes.values()).most_common(1)[0]
+        if hashes[self.me] != majority and votes > len(hashes) / 2:
+            self._resync(f"φ hash of round {round_} disagrees with {votes} of {len(hashes)} peers")
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    @property
+    def tokens_trained(self) -> int:
+        return self.steps_done * self.trainer.tokens_per_step
+
+    def run(self) -> int:
+        self._install_signal_handlers()
+        self.steps_done, self.round, self.step, self.tokens_global = 0, 0, 0, 0
+        try:
+            self._connect()
+            self._start_heartbeat()
+            self._wait_start_barrier()
+            if not self._fetch_state():
+                self._publish_snapshot()
+            self.record.state = "training"
+            self._publish_record()
+            self._train()
+            return 0
+        finally:
+            self._leave()
+
+    def _train(self) -> None:
+        total = self.config.run.steps
+        first_step_t = None
+        while self.step < total and not self.stop_requested.is_set():
+            if first_step_t is None:
+                first_step_t = time.time()
+            self.trainer.forward_backward()
+            if self.config.run.algo == "ddp":
+                if not self._sync(self.step):
+                    continue
+                self.trainer.optimizer_step(self.step)
+            else:
+                self.trainer.optimizer_step(self.step)
+            self.step += 1
+            self.steps_done += 1
+            self.record.step = self.step
+            if self.config.run.algo == "diloco" and self.step % self.rounds_per_sync == 0:
+                self._sync(self.round)
+            if self.step % 10 == 0 or self.step >= total:
+                self.log.write("compute", compute_s=self.trainer.compute_s, steps=self.steps_done,
+                               tokens=self.tokens_trained, first_step_t=first_step_t, last_step_t=time.time(),
+                               bytes_sent=self.traffic.sent)
+        self.log.event("done" if self.step >= total else "stopped", round=self.round, step=self.step)
+
+    def _sync(self, round_: int) -> bool:
+        """One collective round; True when this peer applied the agreed aggregate."""
+        is_ddp = self.config.run.algo == "ddp"
+        if is_ddp and round_ % self.config.ddp.epoch_steps == 0:
+            self._publish_snapshot()  # a ddp joiner enters at an epoch boundary with this state
+            if round_ > 0:
+                self._drift_check(round_)
+        elif not is_ddp and round_ > 0:
+            self._drift_check(round_)
+        bytes_before, t0 = self.traffic.sent, time.time()
+        weight = self.trainer.tokens_per_step * (1 if is_ddp else self.rounds_per_sync)
+        try:
+            result = self.algo.sync(round_, weight, timeout=self.config.sync.reduce_timeout_s * 3
+                                    + self.config.sync.announce_s + self.config.sync.manifest_s * 8)
+        except (NotInRound, CollectiveError, TimeoutError) as e:
+            self._resync(f"round {round_}: {e}")
+            return False
+        self.round = round_ + 1
+        self.tokens_global += weight * len(result.contributors)
+        self.record.round = self.round
+        phi_hash = self.algo.phi_hash()
+        if not is_ddp or self.round % self.config.ddp.epoch_steps == 0:
+            self.control.publish_phi_hash(self.key.group, self.round, phi_hash, self.config.sync.record_ttl_s * 6)
+            self._publish_snapshot()
+        self.log.write("round", round=round_, t0=t0, sync_s=time.time() - t0, bytes=self.traffic.sent - bytes_before,
+                       participants=result.participants, contributors=result.contributors, phi_hash=phi_hash,
+                       tokens=weight * len(result.contributors), tokens_global=self.tokens_global,
+                       leader=result.info.get("leader"), manifest_s=result.info.get("manifest_s"),
+                       reduce_s=result.info.get("reduce_s"))
+        self._maybe_evaluate(weight * len(result.contributors), result.info.get("leader") == self.me)
+        return True
+
+    def _maybe_evaluate(self, added_tokens: int, is_leader: bool) -> None:
+        """The round's leader evaluates whenever the run crosses `eval_every_tokens`; everyone at the end."""
+        every = self.config.data.eval_every_tokens
+        final = self.step >= self.config.run.steps
+        crossed = self.tokens_global // every != (self.tokens_global - added_tokens) // every
+        if final or (is_leader and crossed):
+            loss = self.trainer.evaluate()
+            self.log.write("eval", round=self.round, step=self.step, tokens=self.tokens_global, loss=loss,
+                           final=final, phi_hash=self.algo.phi_hash())
+
+    def _fault_hook(self, round_: int) -> None:
+        fault = self.options.fault or ""
+        if fault.startswith("stall-sync@") and round_ == int(fault.split("@")[1]):
+            self.log.event("fault_stall", round=round_)
+            threading.Event().wait()  # the test kills this process group now
+
+    # ---- leave ------------------------------------------------------------------------------
+
+    def _install_signal_handlers(self) -> None:
+        def request_stop(signum, _frame):
+            self.log.event("leave", signal=signal.Signals(signum).name)
+            self.stop_requested.set()
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, request_stop)
+            signal.signal(signal.SIGTERM, request_stop)
+
+    def _leave(self) -> None:
+        self._heartbeat_stop.set()
+        try:
+            if self.record is not None:
+                self.record.state = "leaving"
+                self.control.expire_peer()
+        except Exception as e:
+            logger.info("could not expire the peer record: %s", e)
+        for closer in ("server", "channels", "control"):
+            obj = getattr(self, closer, None)
+            try:
+                if closer == "server" and obj is not None:
+                    obj.stop(grace=1.0).wait(2.0)
+                elif closer == "channels" and obj is not None:
+                    obj.close()
+                elif closer == "control" and obj is not None:
+                    obj.shutdown()
+            except Exception as e:
+                logger.info("closing %s: %s", closer, e)
+        self.log.event("exit", bytes_sent=self.traffic.sent, compute_s=getattr(getattr(self, "trainer", None),
+                                                                                "compute_s", 0.0))
+        self.log.close()

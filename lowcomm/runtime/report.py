@@ -1,0 +1,76 @@
+"""The simulation report of DESIGN.md, assembled from the peers' JSONL records."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+
+def build_report(records: list[dict], *, algo: str, peers: int, seed: int, model_params: int,
+                 started_at: float, extra: dict | None = None) -> dict:
+    compute = _last_per_peer(r for r in records if r["type"] == "compute")
+    first_t = min((r["first_step_t"] for r in compute.values() if r.get("first_step_t")), default=started_at)
+    last_t = max((r["last_step_t"] for r in compute.values()), default=first_t)
+    exits = {r["peer"]: r for r in records if r["type"] == "event" and r.get("kind") == "exit"}
+    bytes_sent = sum(max(exits.get(p, {}).get("bytes_sent", 0), c.get("bytes_sent", 0)) for p, c in compute.items())
+    bytes_sent += sum(e.get("bytes_sent", 0) for p, e in exits.items() if p not in compute)
+
+    rounds = _rounds(records, first_t)
+    cumulative, running = {}, 0
+    for row in rounds:
+        running += row["bytes"]
+        cumulative[row["round"]] = running
+    evals = _evals(records, first_t, cumulative)
+    final = [r["loss"] for r in records if r["type"] == "eval" and r.get("final")]
+    report = {
+        "algo": algo, "peers": peers, "stages": 1, "seed": seed, "model_params": model_params,
+        "tokens": sum(c.get("tokens", 0) for c in compute.values()),
+        "final_loss": (sum(final) / len(final)) if final else (evals[-1]["loss"] if evals else None),
+        "final_loss_spread": (max(final) - min(final)) if final else None,
+        "bytes_sent": bytes_sent,
+        "control_bytes": None,
+        "wall_s": last_t - first_t,
+        "startup_s": first_t - started_at,
+        "compute_s": sum(c.get("compute_s", 0.0) for c in compute.values()),
+        "rounds": rounds,
+        "evals": evals,
+        "events": sorted(({**{k: v for k, v in r.items() if k not in ("type",)}, "t": r["t"] - first_t}
+                          for r in records if r["type"] == "event"), key=lambda e: e["t"]),
+    }
+    report["bytes_per_token"] = report["bytes_sent"] / report["tokens"] if report["tokens"] else None
+    report["compute_utilization"] = (report["compute_s"] / (peers * report["wall_s"])) if report["wall_s"] > 0 else None
+    report.update(extra or {})
+    return report
+
+
+def _last_per_peer(records) -> dict[str, dict]:
+    last = {}
+    for r in records:
+        last[r["peer"]] = r
+    return last
+
+
+def _rounds(records: list[dict], first_t: float) -> list[dict]:
+    by_round = defaultdict(list)
+    for r in records:
+        if r["type"] == "round":
+            by_round[r["round"]].append(r)
+    rows = []
+    for round_, rs in sorted(by_round.items()):
+        leader = next((r for r in rs if r.get("leader") == r["peer"]), rs[0])
+        rows.append({"round": round_, "t": min(r["t0"] for r in rs) - first_t, "tokens": leader["tokens"],
+                     "bytes": sum(r["bytes"] for r in rs), "sync_s": max(r["sync_s"] for r in rs),
+                     "participants": leader["participants"], "contributors": leader["contributors"],
+                     "phi_hashes": sorted({r["phi_hash"] for r in rs})})
+    return rows
+
+
+def _evals(records: list[dict], first_t: float, cumulative_bytes: dict[int, int]) -> list[dict]:
+    seen, out = set(), []
+    for r in sorted((r for r in records if r["type"] == "eval"), key=lambda r: (r["round"], r["t"])):
+        if r["round"] in seen:
+            continue
+        seen.add(r["round"])
+        done = [b for rnd, b in cumulative_bytes.items() if rnd < r["round"]]
+        out.append({"t": r["t"] - first_t, "step": r["step"], "tokens": r["tokens"],
+                    "bytes": max(done) if done else 0, "loss": r["loss"]})
+    return out

@@ -1,0 +1,218 @@
+"""`lowcomm simulate`: a coordinator and N peers as separate local processes over real sockets.
+
+Every process runs in its own process group with one torch thread; on every exit path the
+launcher kills each group (so a DHT helper or p2pd never outlives its peer) and checks that
+nothing is left. Progress comes from the peers' JSONL records; the report is built from them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from lowcomm.config import RunConfig
+from lowcomm.models.gpt import GPT
+from lowcomm.runtime.report import build_report
+from lowcomm.runtime.runlog import read_records
+
+
+class SimulationError(RuntimeError):
+    """The simulation could not run to the end; the message says what to look at."""
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+@dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+
+    @property
+    def pgid(self) -> int:
+        return self.popen.pid  # start_new_session=True: the child leads its own group
+
+    def kill_group(self, sig=signal.SIGKILL) -> None:
+        try:
+            os.killpg(self.pgid, sig)
+        except ProcessLookupError:
+            pass
+
+    def group_alive(self) -> bool:
+        try:
+            os.killpg(self.pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        # a zombie leader keeps the group id alive: reap it first
+        self.popen.poll()
+        try:
+            os.killpg(self.pgid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+
+def spawn(name: str, args: list[str], run_dir: Path) -> Process:
+    log_path = run_dir / "logs" / f"{name}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        popen = subprocess.Popen([sys.executable, "-m", "lowcomm.cli", *args], stdout=log, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, start_new_session=True, env=child_env())
+    return Process(name, popen, log_path)
+
+
+def wait_for_file(path: Path, process: Process, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            return json.loads(path.read_text())
+        if process.popen.poll() is not None:
+            raise SimulationError(f"{process.name} exited with code {process.popen.returncode} before it was "
+                                  f"ready; see {process.log_path}")
+        time.sleep(0.1)
+    raise SimulationError(f"{process.name} was not ready after {timeout:.0f}s; see {process.log_path}")
+
+
+@dataclass
+class Simulation:
+    config: RunConfig
+    peers: int
+    run_dir: Path
+    host: str = "127.0.0.1"
+    peer_faults: dict[int, str] = field(default_factory=dict)  # test hooks, by peer index
+    progress: bool = True
+    timeout_s: float | None = None
+    processes: list[Process] = field(default_factory=list)
+
+    def start_coordinator(self, resume: Path | None = None) -> dict:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        config_path = self.run_dir / "run.json"
+        config_path.write_text(json.dumps(self.config.to_dict(), indent=1))
+        ready = self.run_dir / "coordinator.json"
+        ready.unlink(missing_ok=True)
+        args = ["coordinator", "start", "--config", str(config_path), "--run-dir", str(self.run_dir),
+                "--host", self.host, "--ready-file", str(ready)]
+        if resume is not None:
+            args += ["--resume", str(resume)]
+        self.coordinator = spawn("coordinator", args, self.run_dir)
+        self.processes.append(self.coordinator)
+        self.info = wait_for_file(ready, self.coordinator, timeout=120)
+        return self.info
+
+    @property
+    def start_file(self) -> Path:
+        return self.run_dir / "start"
+
+    def release(self, peers: list[Process], timeout: float = 300) -> None:
+        """Waits until every parked peer is connected and ready, then lets them all start training."""
+        deadline = time.monotonic() + timeout
+        while True:
+            ready = {r["peer"] for r in self.records() if r["type"] == "event" and r.get("kind") == "ready"}
+            if len(ready) >= len(peers):
+                break
+            dead = [p.name for p in peers if p.popen.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                raise SimulationError(f"peers {dead or 'some'} never became ready; see {self.run_dir / 'logs'}")
+            time.sleep(0.1)
+        self.start_file.touch()
+
+    def start_peer(self, index: int, fault: str | None = None, park: bool = True) -> Process:
+        args = ["peer", "join", "--coordinator", self.info["maddrs"][0], "--run-key", self.info["run_key"],
+                "--run", self.info["run"], "--host", self.host, "--data-shard", str(index),
+                "--num-shards", str(max(self.peers, index + 1)), "--run-dir", str(self.run_dir), "--device", "cpu"]
+        if park:
+            args += ["--start-file", str(self.start_file)]
+        if fault or self.peer_faults.get(index):
+            args += ["--fault", fault or self.peer_faults[index]]
+        process = spawn(f"peer-{index}", args, self.run_dir)
+        self.processes.append(process)
+        return process
+
+    def records(self) -> list[dict]:
+        return read_records(self.run_dir / "peers")
+
+    def wait_peers(self, peers: list[Process], timeout: float) -> None:
+        total = self.config.run.steps * self.peers
+        bar = tqdm(total=total, unit="step", desc=f"{self.config.run.algo} x{self.peers}", disable=not self.progress,
+                   file=sys.stderr)
+        deadline = time.monotonic() + timeout
+        try:
+            while any(p.popen.poll() is None for p in peers):
+                if time.monotonic() > deadline:
+                    raise SimulationError(f"peers still running after {timeout:.0f}s; see {self.run_dir / 'logs'}")
+                done = sum(r.get("steps", 0) for r in _last_compute(self.records()).values())
+                bar.update(max(0, min(done, total) - bar.n))
+                time.sleep(1.0)
+            bar.update(max(0, total - bar.n))
+        finally:
+            bar.close()
+
+    def stop_all(self) -> list[str]:
+        """Stops every process group (TERM, then KILL); returns the names of groups that survived."""
+        for p in self.processes:
+            if p.popen.poll() is None:
+                p.kill_group(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(p.popen.poll() is None for p in self.processes):
+            time.sleep(0.1)
+        for p in self.processes:
+            p.kill_group(signal.SIGKILL)
+        survivors = []
+        for p in self.processes:
+            try:
+                p.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+            end = time.monotonic() + 10
+            while p.group_alive() and time.monotonic() < end:
+                p.kill_group(signal.SIGKILL)
+                time.sleep(0.1)
+            if p.group_alive():
+                survivors.append(p.name)
+        return survivors
+
+    def run(self) -> dict:
+        started = time.time()
+        try:
+            self.start_coordinator()
+            self.start_file.unlink(missing_ok=True)
+            peers = [self.start_peer(i) for i in range(self.peers)]
+            self.release(peers)
+            timeout = self.timeout_s or max(600.0, self.config.run.steps * self.peers * 1.0)
+            self.wait_peers(peers, timeout)
+            failed = [p.name for p in peers if p.popen.returncode != 0]
+        finally:
+            survivors = self.stop_all()
+        if survivors:
+            raise SimulationError(f"processes of {survivors} survived SIGKILL of their group")
+        report = self.report(started)
+        report["failed_peers"] = failed
+        return report
+
+    def report(self, started: float) -> dict:
+        torch_params = GPT(self.config.model).num_parameters()
+        return build_report(self.records(), algo=self.config.run.algo, peers=self.peers, seed=self.config.run.seed,
+                            model_params=torch_params, started_at=started,
+                            extra={"config_hash": self.config.config_hash(), "run_dir": str(self.run_dir)})
+
+
+def _last_compute(records: list[dict]) -> dict[str, dict]:
+    out = {}
+    for r in records:
+        if r["type"] == "compute":
+            out[r["peer"]] = r
+    return out

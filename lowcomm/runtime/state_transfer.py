@@ -1,0 +1,129 @@
+"""Global state as bytes: safetensors blobs, validated on receipt, served to joiners and resyncing peers.
+
+A holder keeps one snapshot (round, blob); a request may ask for a minimum round and wait for the
+holder to get there, so a joiner can start exactly at a round boundary. Received state is checked
+against the model's expected tensor names and shapes, dtype float32 and finiteness before any of it
+touches the model.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from lowcomm.proto import wire_pb2
+from lowcomm.transport.wire import Channels, Traffic, WireError, assemble, slices
+
+
+class StateError(RuntimeError):
+    """Received state is malformed or does not fit this run's model."""
+
+
+@dataclass
+class Snapshot:
+    round: int
+    tokens: int
+    config_hash: str
+    phi_hash: str
+    blob: bytes
+
+
+def encode_state(tensors: dict[str, torch.Tensor], round_: int, tokens: int, config_hash: str,
+                 phi_hash: str) -> Snapshot:
+    """`phi_hash` is the algorithm's hash of its global parameters (the drift check compares it)."""
+    tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in tensors.items()}
+    blob = st_save(tensors, metadata={"round": str(round_), "tokens": str(tokens), "config_hash": config_hash,
+                                      "phi_hash": phi_hash})
+    return Snapshot(round_, tokens, config_hash, phi_hash, blob)
+
+
+def decode_state(blob: bytes, expected: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    try:
+        tensors = st_load(blob)
+    except Exception as e:  # safetensors raises several types on garbage
+        raise StateError(f"state is not a valid safetensors blob: {e}") from None
+    if set(tensors) != set(expected):
+        missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+        raise StateError(f"state tensors do not match the model (missing {missing[:3]}, unexpected {extra[:3]})")
+    for name, tensor in tensors.items():
+        if tensor.dtype != torch.float32 or tuple(tensor.shape) != tuple(expected[name]):
+            raise StateError(f"state tensor {name}: {tensor.dtype} {tuple(tensor.shape)}, expected float32 "
+                             f"{tuple(expected[name])}")
+        if not torch.isfinite(tensor).all():
+            raise StateError(f"state tensor {name} contains NaN or Inf")
+    return tensors
+
+
+class StateHolder:
+    """Serves the newest snapshot over GetState."""
+
+    def __init__(self, run_id: str, chunk_bytes: int):
+        self.run_id = run_id
+        self.chunk_bytes = chunk_bytes
+        self._snapshot: Snapshot | None = None
+        self._cond = threading.Condition()
+
+    def publish(self, snapshot: Snapshot) -> None:
+        with self._cond:
+            self._snapshot = snapshot
+            self._cond.notify_all()
+
+    @property
+    def snapshot(self) -> Snapshot | None:
+        return self._snapshot
+
+    def serve(self, request, context):
+        if request.run_id != self.run_id:
+            yield wire_pb2.StateChunk(error=f"unknown run {request.run_id!r}")
+            return
+        deadline = time.monotonic() + min(max(request.wait_s, 0.0), 600.0)
+        with self._cond:
+            while self._snapshot is None or self._snapshot.round < request.min_round:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    have = -1 if self._snapshot is None else self._snapshot.round
+                    yield wire_pb2.StateChunk(error=f"state at round {have}, below the requested {request.min_round}")
+                    return
+                self._cond.wait(remaining)
+            snap = self._snapshot
+        for i, data in enumerate(slices(snap.blob, self.chunk_bytes)):
+            if i == 0:
+                yield wire_pb2.StateChunk(run_id=self.run_id, round=snap.round, config_hash=snap.config_hash,
+                                          phi_hash=snap.phi_hash, total_bytes=len(snap.blob), data=data,
+                                          tokens=snap.tokens)
+            else:
+                yield wire_pb2.StateChunk(data=data)
+
+
+def download_state(channels: Channels, traffic: Traffic, endpoint: str, run_id: str, requester: str,
+                   min_round: int, wait_s: float, timeout: float, max_bytes: int) -> wire_pb2.StateChunk:
+    """The holder's state as a StateChunk whose `data` is the whole blob (validated by decode_state later)."""
+    request = wire_pb2.StateRequest(run_id=run_id, requester=requester, min_round=min_round, wait_s=wait_s)
+    traffic.count_sent(request)
+    first, datas = None, []
+    try:
+        for chunk in channels.stub(endpoint).GetState(request, timeout=timeout + wait_s):
+            traffic.count_received(chunk)
+            if first is None:
+                if chunk.error:
+                    raise StateError(f"{endpoint} refused state: {chunk.error}")
+                first = chunk
+            datas.append(chunk.data)
+    except grpc.RpcError as e:
+        raise StateError(f"state download from {endpoint} failed: {e.code().name}") from None
+    if first is None:
+        raise StateError(f"{endpoint} sent no state")
+    try:
+        blob = assemble(first.total_bytes, datas, max_bytes)
+    except WireError as e:
+        raise StateError(str(e)) from None
+    header = wire_pb2.StateChunk()
+    header.CopyFrom(first)
+    header.data = blob
+    return header
