@@ -231,7 +231,7 @@ class Peer:
 
     def _train(self) -> None:
         total = self.config.run.steps
-        first_step_t = None
+        first_step_t, self._pending_eval = None, None
         while self.step < total and not self.stop_requested.is_set():
             if first_step_t is None:
                 first_step_t = time.time()
@@ -247,6 +247,9 @@ class Peer:
             self.record.step = self.step
             if self.config.run.algo == "diloco" and self.step % self.rounds_per_sync == 0:
                 self._sync(self.round)
+            if self._pending_eval is not None:
+                self._maybe_evaluate(*self._pending_eval)
+                self._pending_eval = None
             if self.step % 10 == 0 or self.step >= total:
                 self.log.write("compute", compute_s=self.trainer.compute_s, steps=self.steps_done,
                                tokens=self.tokens_trained, first_step_t=first_step_t, last_step_t=time.time(),
@@ -282,7 +285,7 @@ class Peer:
                        tokens=weight * len(result.contributors), tokens_global=self.tokens_global,
                        leader=result.info.get("leader"), manifest_s=result.info.get("manifest_s"),
                        reduce_s=result.info.get("reduce_s"))
-        self._maybe_evaluate(weight * len(result.contributors), result.info.get("leader") == self.me)
+        self._pending_eval = (weight * len(result.contributors), result.info.get("leader") == self.me)
         return True
 
     def _maybe_evaluate(self, added_tokens: int, is_leader: bool) -> None:

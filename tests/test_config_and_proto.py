@@ -1,0 +1,42 @@
+"""Run config loading and the freshness of the checked-in protobuf modules."""
+
+import filecmp
+from pathlib import Path
+
+import pytest
+
+from lowcomm.config import ConfigError, RunConfig, default_config, load_config
+from lowcomm.proto import regenerate
+
+
+def test_default_config_is_the_reference_setup():
+    c = default_config()
+    assert (c.model.vocab_size, c.model.d_model, c.model.n_layers, c.model.n_heads, c.model.context) == (256, 128, 4, 4, 64)
+    assert (c.inner.batch_size, c.inner.lr, c.inner.warmup_steps, c.inner.weight_decay) == (16, 1e-3, 50, 0.1)
+    assert (c.diloco.inner_steps, c.diloco.outer_lr, c.diloco.outer_momentum) == (30, 0.7, 0.9)
+
+
+def test_config_round_trips_through_json_with_the_same_hash():
+    c = default_config().override({"run.steps": 7, "diloco.codec": "fp32"})
+    again = RunConfig.from_json(c.to_json())
+    assert again == c and again.config_hash() == c.config_hash()
+    assert again.config_hash() != default_config().config_hash()
+
+
+@pytest.mark.parametrize("text, field", [("[run]\nalgo = 'nope'\n", "run.algo"),
+                                          ("[model]\nd_modle = 3\n", "model.d_modle"),
+                                          ("[inner]\nlr = 'fast'\n", "inner.lr"),
+                                          ("[bogus]\nx = 1\n", "bogus")])
+def test_bad_config_names_the_field(tmp_path, text, field):
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=field.split(".")[-1]):
+        load_config(path)
+
+
+def test_checked_in_protos_are_fresh(tmp_path):
+    regenerate.generate(tmp_path)
+    for name in ("wire_pb2.py", "wire_pb2_grpc.py"):
+        fresh = tmp_path / "lowcomm" / "proto" / name
+        checked_in = Path(regenerate.__file__).parent / name
+        assert filecmp.cmp(fresh, checked_in, shallow=False), f"{name} is stale: run python -m lowcomm.proto.regenerate"
