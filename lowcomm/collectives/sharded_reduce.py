@@ -130,13 +130,20 @@ class ShardedReduce:
                 replies[j] = filled
                 self.slots.hold(key.group, round_, j, filled.blob, filled.contributors)
                 self.on_event("hole_filled", round=round_, shard=j, owner=manifest.owners[j])
-        if len(replies) < len(manifest.owners):
-            self.end_epoch(key)
-            raise CollectiveError(f"round {round_}: shards {sorted(set(range(len(manifest.owners))) - set(replies))}"
-                                  " could not be obtained from their owner or any holder")
+        lost = [j for j in range(len(manifest.owners)) if j not in replies]
+        for j in lost:
+            # Nobody received it: its owner died before replying to anyone. Every member that lost it
+            # applies no update to that slice (the drift check resyncs a member that raced and got it).
+            numel = bounds[j][1] - bounds[j][0]
+            replies[j] = ShardReply(torch.zeros(numel), [], b"")
+            self.on_event("shard_lost", round=round_, shard=j, owner=manifest.owners[j])
         aggregate = torch.cat([replies[j].values for j in range(len(manifest.owners))])
-        contributors = sorted(set.intersection(*(set(r.contributors) for r in replies.values())))
-        absent = set(manifest.members) - set(contributors)
+        kept = [set(r.contributors) for j, r in replies.items() if j not in lost]
+        if not kept:
+            self.end_epoch(key)
+            raise CollectiveError(f"round {round_}: no shard could be obtained from anyone")
+        contributors = sorted(set.intersection(*kept))
+        absent = (set(manifest.members) - set(contributors)) | {manifest.owners[j] for j in lost}
         if absent:  # the exclusion every member reads from the same owner replies
             self._suspects[key.group] = frozenset(absent)
             self.end_epoch(key)
@@ -144,7 +151,7 @@ class ShardedReduce:
             self._suspects[key.group] = frozenset()
         return RoundResult(aggregate, contributors, list(manifest.members),
                            {"manifest_s": t_manifest - t0, "reduce_s": time.monotonic() - t_manifest,
-                            "leader": manifest.leader, "epoch": manifest.round,
+                            "leader": manifest.leader, "epoch": manifest.round, "lost_shards": lost,
                             "shard_contributors": {j: r.contributors for j, r in replies.items()}})
 
     def _send(self, manifest: Manifest, key: GroupKey, round_: int, shard: int, blob: bytes, weight: float,

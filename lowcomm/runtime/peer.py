@@ -141,12 +141,20 @@ class Peer:
     def _fetch_state(self, min_round: int | None = None) -> bool:
         """Downloads the global state from the peer with the newest round; False if there is none."""
         deadline = time.monotonic() + 600
+        first_look = time.monotonic()
         while time.monotonic() < deadline and not self.stop_requested.is_set():
-            records = [r for p, r in self.control.live_peers().items()
+            everyone = self.control.live_peers()
+            records = [r for p, r in everyone.items()
                        if p != self.me and r.state in ("training", "holder") and not r.client_mode]
             trainers = [r for r in records if r.state == "training"]
             if not records:
-                return False
+                # A fresh DHT node may not see records yet: only call ourselves first once the
+                # coordinator's record is visible and two heartbeats passed without any trainer.
+                settled = time.monotonic() - first_look > 2 * self.config.sync.heartbeat_s
+                if any(r.state == "coordinator" for r in everyone.values()) and settled:
+                    return False
+                time.sleep(0.2)
+                continue
             if trainers and max(r.round for r in trainers) == 0 and not min_round:
                 return False  # the run is in its first round: start from the shared seeded φ_0 and join it
             if trainers:
