@@ -1,0 +1,48 @@
+"""The DHT control plane: configs and records only their signer's key can write."""
+
+import pytest
+
+from lowcomm.config import default_config
+from lowcomm.transport.control import ConfigRejected, ControlPlane, PeerRecord
+from lowcomm.transport.identity import Identity, owner_marker_from_text
+
+
+@pytest.fixture(scope="module")
+def swarm():
+    coordinator_id, attacker_id = Identity.generate(), Identity.generate()
+    coordinator = ControlPlane.start(coordinator_id, "run-x")
+    attacker = ControlPlane.start(attacker_id, "run-x", initial_peers=coordinator.visible_maddrs())
+    reader = ControlPlane.start(Identity.generate(), "run-x", initial_peers=coordinator.visible_maddrs())
+    yield coordinator, attacker, reader
+    for node in (coordinator, attacker, reader):
+        node.shutdown()
+
+
+def test_config_signed_by_the_coordinator_is_accepted_and_others_refused(swarm):
+    coordinator, attacker, reader = swarm
+    real = default_config()
+    coordinator.publish_config(real, version=1, ttl=60)
+    attacker.publish_config(real.override({"diloco.outer_lr": 5.0}), version=2, ttl=60)  # its own key's subkey
+    config, version = reader.fetch_config(coordinator.identity.owner_marker, timeout=10)
+    assert config == real and version == 1
+    with pytest.raises(ConfigRejected, match="signed by the coordinator key"):
+        reader.fetch_config(owner_marker_from_text(Identity.generate().public_key_text), timeout=2)
+
+
+def test_forged_record_under_the_coordinators_key_is_dropped(swarm):
+    coordinator, attacker, reader = swarm
+    coordinator.publish_config(default_config(), version=1, ttl=60)
+    forged = {"peer_id": coordinator.identity.peer_id, "version": 9, "config": "{}", "hash": "x"}
+    # the attacker writes under the coordinator's owner marker without its private key
+    attacker.dht.store("run-x.config", forged, 10**10, subkey=coordinator.identity.owner_marker)
+    config, version = reader.fetch_config(coordinator.identity.owner_marker, timeout=10)
+    assert version == 1 and config == default_config()
+
+
+def test_peer_record_naming_another_peer_is_dropped(swarm):
+    coordinator, attacker, reader = swarm
+    attacker.publish_peer(PeerRecord(attacker.identity.peer_id, "127.0.0.1:1", "training"), ttl=30)
+    spoof = PeerRecord("not-my-id", "127.0.0.1:2", "training").__dict__
+    attacker.dht.store("run-x.peers", spoof, 10**10, subkey=attacker.identity.owner_marker + b"x")
+    peers = reader.live_peers()
+    assert attacker.identity.peer_id in peers and "not-my-id" not in peers
