@@ -203,6 +203,12 @@ class Peer:
 
     def _resync(self, reason: str) -> None:
         self.log.event("resync", round=self.round, reason=reason[:200])
+        final_round = self.config.run.steps // self.rounds_per_sync
+        if self._round_boundary_for(self.round) >= final_round:
+            # the run ends before the next boundary: nothing left to join, stop as done
+            self.step = self.config.run.steps
+            self.log.event("late_at_end", round=self.round)
+            return
         if not self._fetch_state(min_round=self.round + 1):
             raise RuntimeError("no peer to resync from; leaving the run")
 
@@ -287,6 +293,7 @@ class Peer:
         phi_hash = self.algo.phi_hash()
         if not is_ddp or self.round % self.config.ddp.epoch_steps == 0:
             self.control.publish_phi_hash(self.key.group, self.round, phi_hash, self.config.sync.record_ttl_s * 6)
+        if not is_ddp:  # ddp's state is complete only after the optimizer step: it snapshots at epoch starts
             self._publish_snapshot()
         self.log.write("round", round=round_, t0=t0, sync_s=time.time() - t0, bytes=self.traffic.sent - bytes_before,
                        participants=result.participants, contributors=result.contributors, phi_hash=phi_hash,
