@@ -17,6 +17,7 @@ from hypothesis.extra import numpy as hnp
 from lowcomm.compress import Codec, CodecError, get_codec, known_codecs
 from lowcomm.compress.uint8 import quantization_scale, quantize
 
+ALL_CODEC_NAMES = ["dct-topk", "dense", "fp32", "fp8", "q2", "topk", "uint8"]
 FRAME_HEADER = 6  # b"LCC" | version | codec id | flags
 FLAG_ZSTD = 1
 
@@ -50,7 +51,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 # --------------------------------------------------------------------------- registry
 def test_registry_names_and_alias():
-    assert known_codecs() == ["dense", "fp32", "uint8"]
+    assert known_codecs() == ALL_CODEC_NAMES
     fp32 = get_codec("fp32")
     assert isinstance(fp32, Codec) and fp32.name == "dense" and fp32.dtype == "float32"
     assert get_codec("uint8").name == "uint8"
@@ -72,7 +73,7 @@ def test_registry_names_and_alias():
     ],
 )
 def test_registry_rejects_bad_name_or_param(name, params):
-    with pytest.raises(ValueError, match=r"known codecs: \['dense', 'fp32', 'uint8'\]"):
+    with pytest.raises(ValueError, match=r"known codecs: \['dct-topk', 'dense', 'fp32', 'fp8', 'q2', 'topk', 'uint8'\]"):
         get_codec(name, **params)
 
 

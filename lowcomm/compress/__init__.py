@@ -1,7 +1,10 @@
 """Tensor codecs for the wire: a name → codec registry over self-describing frames.
 
-``get_codec("fp32" | "dense" | "uint8", **params)`` returns a ``Codec`` whose
-``encode`` gives bytes and whose ``decode`` raises only ``CodecError`` on bad input.
+``get_codec(name, **params)`` returns a ``Codec`` whose ``encode`` gives bytes and
+whose ``decode`` raises only ``CodecError`` on bad input. Names: ``dense`` (alias
+``fp32``), ``uint8``, ``fp8``, ``q2``, ``topk``, ``dct-topk``; the last two are
+``SparseCodec``s with ``select``/``transmitted``/``decode_sparse`` for error
+feedback and ``scatter_mean`` aggregation.
 """
 
 from __future__ import annotations
@@ -9,13 +12,20 @@ from __future__ import annotations
 import inspect
 
 from lowcomm.compress.base import Codec
+from lowcomm.compress.dct_topk import DctTopKCodec
 from lowcomm.compress.dense import DenseCodec
 from lowcomm.compress.errors import CodecError
+from lowcomm.compress.fp8 import Fp8Codec
+from lowcomm.compress.q2 import Q2Codec
+from lowcomm.compress.sparse import SparseCodec, scatter_mean
+from lowcomm.compress.topk import TopKCodec
 from lowcomm.compress.uint8 import Uint8Codec
 
-__all__ = ["Codec", "CodecError", "get_codec", "known_codecs"]
+__all__ = ["Codec", "CodecError", "SparseCodec", "get_codec", "known_codecs", "scatter_mean"]
 
-_CODECS: dict[str, type[Codec]] = {DenseCodec.name: DenseCodec, Uint8Codec.name: Uint8Codec}
+_CODECS: dict[str, type[Codec]] = {
+    cls.name: cls for cls in (DenseCodec, Uint8Codec, Fp8Codec, Q2Codec, TopKCodec, DctTopKCodec)
+}
 # Alias name -> (codec name, params it fixes); the run config says codec = "fp32" | "uint8".
 _ALIASES: dict[str, tuple[str, dict[str, object]]] = {"fp32": ("dense", {"dtype": "float32"})}
 

@@ -45,6 +45,9 @@ class WireDType(enum.IntEnum):
     BFLOAT16 = 1
     FLOAT16 = 2
     UINT8 = 3
+    FLOAT8_E4M3 = 4
+    UINT2 = 5  # 2-bit codes, four per byte
+    SIGN1 = 6  # 1-bit signs, eight per byte
 
 
 class Codec(abc.ABC):
@@ -90,15 +93,25 @@ class Codec(abc.ABC):
     # ------------------------------------------------------------------ encode
     def encode(self, tensor: torch.Tensor) -> bytes:
         """Encode ``tensor`` (any device, any real dtype) into one frame."""
+        tensor = self._check_encodable(tensor)
+        dtype_code, payload = self._encode_payload(tensor)
+        return self._frame(tuple(tensor.shape), dtype_code, payload)
+
+    def raw_size(self, shape: tuple[int, ...]) -> int:
+        """Exact size of the frame for a tensor of ``shape`` when zstd is off (no encoding)."""
+        return _FRAME_HEADER.size + _BODY_HEADER.size + 8 * len(shape) + self._payload_size(tuple(shape))
+
+    def _check_encodable(self, tensor: torch.Tensor) -> torch.Tensor:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
         if tensor.is_complex():
             raise ValueError(f"codec {self.name!r} does not encode complex tensors")
         if tensor.dim() > MAX_NDIM:
             raise ValueError(f"tensor has {tensor.dim()} dims; the wire format allows at most {MAX_NDIM}")
-        flat = tensor.detach().to("cpu").reshape(-1)
-        dtype_code, payload = self._encode_payload(flat)
-        body = _BODY_HEADER.pack(dtype_code, tensor.dim()) + struct.pack(f"<{tensor.dim()}Q", *tensor.shape) + payload
+        return tensor.detach()
+
+    def _frame(self, shape: tuple[int, ...], dtype_code: WireDType, payload: bytes) -> bytes:
+        body = _BODY_HEADER.pack(dtype_code, len(shape)) + struct.pack(f"<{len(shape)}Q", *shape) + payload
         flags = 0
         if self.zstd_level > 0:
             compressed = zstandard.ZstdCompressor(level=self.zstd_level, write_content_size=True).compress(body)
@@ -118,11 +131,12 @@ class Codec(abc.ABC):
             CodecError: the blob is malformed, too large, or (with
                 ``check_finite``) holds non-finite values.
         """
-        body = self._unframe(memoryview(blob).cast("B"))
-        dtype_code, shape, payload = self._parse_body(body)
-        numel = math.prod(shape)
-        flat = self._decode_payload(dtype_code, numel, payload)
-        return flat.reshape(shape)
+        dtype_code, shape, payload = self._open(blob)
+        return self._decode_payload(dtype_code, shape, payload).reshape(shape)
+
+    def _open(self, blob: bytes) -> tuple[WireDType, tuple[int, ...], memoryview]:
+        """Validate frame and body header: (dtype code, shape, payload)."""
+        return self._parse_body(self._unframe(memoryview(blob).cast("B")))
 
     def _unframe(self, blob: memoryview) -> memoryview:
         if len(blob) < _FRAME_HEADER.size:
@@ -188,13 +202,17 @@ class Codec(abc.ABC):
 
     # ------------------------------------------------------------------ hooks
     @abc.abstractmethod
-    def _encode_payload(self, flat: torch.Tensor) -> tuple[WireDType, bytes]:
-        """Payload bytes for a flat CPU tensor, with the dtype code to put in the header."""
+    def _encode_payload(self, tensor: torch.Tensor) -> tuple[WireDType, bytes]:
+        """Payload bytes for ``tensor`` (detached, any device), with the header's dtype code."""
 
     @abc.abstractmethod
-    def _decode_payload(self, dtype_code: WireDType, numel: int, payload: memoryview) -> torch.Tensor:
-        """Flat tensor of ``numel`` values; must check ``payload``'s length itself."""
+    def _decode_payload(self, dtype_code: WireDType, shape: tuple[int, ...], payload: memoryview) -> torch.Tensor:
+        """Float32 CPU tensor of ``shape`` (or flat); must check ``payload``'s length itself."""
 
     @abc.abstractmethod
     def _max_payload_bytes(self, numel: int) -> int:
         """Largest payload a valid blob of ``numel`` elements can carry."""
+
+    @abc.abstractmethod
+    def _payload_size(self, shape: tuple[int, ...]) -> int:
+        """Exact payload bytes ``_encode_payload`` gives for a tensor of ``shape``."""

@@ -7,6 +7,8 @@ only the rounding of the encode-side cast.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -39,12 +41,13 @@ class DenseCodec(Codec):
     def __repr__(self) -> str:
         return super().__repr__()[:-1] + f", dtype={self.dtype!r})"
 
-    def _encode_payload(self, flat: torch.Tensor) -> tuple[WireDType, bytes]:
+    def _encode_payload(self, tensor: torch.Tensor) -> tuple[WireDType, bytes]:
         code, torch_dtype, bits_dtype, np_dtype = _WIRE[self.dtype]
-        bits = flat.to(torch_dtype).view(bits_dtype).numpy()
+        bits = tensor.to(device="cpu", dtype=torch_dtype).reshape(-1).view(bits_dtype).numpy()
         return code, bits.astype(np_dtype, copy=False).tobytes()
 
-    def _decode_payload(self, dtype_code: WireDType, numel: int, payload: memoryview) -> torch.Tensor:
+    def _decode_payload(self, dtype_code: WireDType, shape: tuple[int, ...], payload: memoryview) -> torch.Tensor:
+        numel = math.prod(shape)
         torch_dtype, bits_dtype, np_dtype = _BY_CODE[dtype_code]
         itemsize = np.dtype(np_dtype).itemsize
         if len(payload) != numel * itemsize:
@@ -60,3 +63,6 @@ class DenseCodec(Codec):
 
     def _max_payload_bytes(self, numel: int) -> int:
         return 4 * numel
+
+    def _payload_size(self, shape: tuple[int, ...]) -> int:
+        return math.prod(shape) * np.dtype(_WIRE[self.dtype][3]).itemsize

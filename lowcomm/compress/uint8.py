@@ -60,12 +60,13 @@ class Uint8Codec(Codec):
     codec_id = 2
     accepted_dtypes = frozenset({WireDType.UINT8})
 
-    def _encode_payload(self, flat: torch.Tensor) -> tuple[WireDType, bytes]:
-        codes, codebook = quantize(flat)
+    def _encode_payload(self, tensor: torch.Tensor) -> tuple[WireDType, bytes]:
+        codes, codebook = quantize(tensor.to("cpu").reshape(-1))
         wire_codebook = codebook.numpy().astype("<f4", copy=False).tobytes()
         return WireDType.UINT8, wire_codebook + codes.numpy().tobytes()
 
-    def _decode_payload(self, dtype_code: WireDType, numel: int, payload: memoryview) -> torch.Tensor:
+    def _decode_payload(self, dtype_code: WireDType, shape: tuple[int, ...], payload: memoryview) -> torch.Tensor:
+        numel = math.prod(shape)
         if len(payload) < _CODEBOOK_BYTES:
             raise CodecError(f"codebook: need {NUM_BINS} float32 ({_CODEBOOK_BYTES} bytes), got {len(payload)} bytes")
         codes_bytes = len(payload) - _CODEBOOK_BYTES
@@ -79,3 +80,6 @@ class Uint8Codec(Codec):
 
     def _max_payload_bytes(self, numel: int) -> int:
         return _CODEBOOK_BYTES + numel
+
+    def _payload_size(self, shape: tuple[int, ...]) -> int:
+        return self._max_payload_bytes(math.prod(shape))
