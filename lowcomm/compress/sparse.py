@@ -44,6 +44,15 @@ def scatter_mean(contributions: list[tuple[torch.Tensor, torch.Tensor]], shape: 
     return torch.where(counts > 0, sums / counts.clamp(min=1), sums).reshape(shape)
 
 
+def _top_k_indices(magnitude: torch.Tensor, k: int) -> torch.Tensor:
+    """Per row, the positions of the k largest entries, in no particular order."""
+    length = magnitude.shape[1]
+    if magnitude.device.type == "cpu" and 0 < k < length:
+        # numpy's introselect is 2-3x faster than torch.topk on CPU for these row lengths.
+        return torch.from_numpy(np.argpartition(magnitude.numpy(), length - k, axis=1)[:, length - k :])
+    return magnitude.topk(k, dim=1, sorted=False).indices
+
+
 class SparseCodec(Codec):
     """Shared machinery of ``topk`` and ``dct-topk``; subclasses pick transform, k rule, widths and values."""
 
@@ -138,8 +147,7 @@ class SparseCodec(Codec):
         blocking = self.blocking(tuple(x.shape))
         blocks = self._transform(blocking.to_blocks(x.to(torch.float32)), blocking)
         k = self.effective_k(blocking.block_len) if blocking.num_blocks else 0
-        local = blocks.abs().topk(k, dim=1, sorted=False).indices
-        return blocking, local, blocks.gather(1, local)
+        return blocking, (local := _top_k_indices(blocks.abs(), k)), blocks.gather(1, local)
 
     def _payload(self, blocking: Blocking, local: torch.Tensor, selected: torch.Tensor) -> tuple[WireDType, bytes, torch.Tensor]:
         width = self.index_width(blocking.block_len)
