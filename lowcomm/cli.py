@@ -41,6 +41,8 @@ def _add_peer(sub) -> None:
     join.add_argument("--data-shard", type=int, help="which data shard to read (default: from the peer id)")
     join.add_argument("--num-shards", type=int, default=64)
     join.add_argument("--run-dir", type=Path, help="where to append this peer's JSONL records")
+    join.add_argument("--link", metavar="RATE[:LATENCY]",
+                      help="emulate this access link for all data-plane traffic, e.g. 20mbit:80ms (default: none)")
     join.add_argument("--fault", help=argparse.SUPPRESS)
     join.add_argument("--start-file", type=Path, help=argparse.SUPPRESS)
 
@@ -56,7 +58,10 @@ def _add_simulate(sub) -> None:
     simulate.add_argument("--codec", choices=["fp32", "uint8"], help="DiLoCo payload codec")
     simulate.add_argument("--report", type=Path, default=Path("report.json"))
     simulate.add_argument("--run-dir", type=Path, help="folder for logs and peer records (default: beside the report)")
-    for unsupported in ("--stages", "--link", "--churn"):
+    simulate.add_argument("--link", metavar="RATE[:LATENCY]",
+                          help="every peer's emulated link, e.g. 100mbit:40ms or none (overrides link.default; "
+                               "[link.peers] exceptions still apply)")
+    for unsupported in ("--stages", "--churn"):
         simulate.add_argument(unsupported, help=argparse.SUPPRESS)
     simulate.add_argument("--netns", action="store_true", help=argparse.SUPPRESS)
 
@@ -107,7 +112,12 @@ def coordinator_start(args) -> int:
 
 def peer_join(args) -> int:
     from lowcomm.runtime.peer import Peer, PeerOptions
+    from lowcomm.transport.shaper import parse_link_option
 
+    try:
+        link = parse_link_option(args.link)
+    except ValueError as e:
+        raise ConfigError(f"--link: {e}") from None
     unsupported = [name for name in ("config",) if getattr(args, name)]
     if unsupported:
         print("lowcomm: peer profiles (--config) are not read yet; the run config comes from the coordinator",
@@ -115,14 +125,14 @@ def peer_join(args) -> int:
     options = PeerOptions(coordinator=args.coordinator, run_key=args.run_key, run_name=args.run, host=args.host,
                           port=args.port, announce_addr=args.announce_addr, device=args.device,
                           client_mode=args.client_mode, data_shard=args.data_shard, num_shards=args.num_shards,
-                          run_dir=args.run_dir, fault=args.fault, start_file=args.start_file)
+                          run_dir=args.run_dir, fault=args.fault, start_file=args.start_file, link=link)
     return Peer(options).run()
 
 
 def simulate(args) -> int:
     from lowcomm.runtime.sim import Simulation, SimulationError
 
-    for flag in ("stages", "link", "churn"):
+    for flag in ("stages", "churn"):
         if getattr(args, flag):
             print(f"lowcomm: --{flag} is not available in this version (see the README's roadmap)", file=sys.stderr)
             return 2
@@ -131,10 +141,11 @@ def simulate(args) -> int:
         return 2
     config = load_config(args.config).override({"run.algo": args.algo, "run.steps": args.steps,
                                                 "run.seed": args.seed, "diloco.inner_steps": args.inner_steps,
-                                                "diloco.codec": args.codec})
+                                                "diloco.codec": args.codec, "link.default": args.link})
     run_dir = args.run_dir or args.report.with_suffix("").with_name(args.report.stem + "-run")
-    print(f"simulating {args.peers} peers, algo {config.run.algo}, {config.run.steps} steps each; "
-          f"records in {run_dir}", file=sys.stderr)
+    links = sorted({config.link.spec_for(i) or "unshaped" for i in range(args.peers)})
+    print(f"simulating {args.peers} peers, algo {config.run.algo}, {config.run.steps} steps each, "
+          f"links {', '.join(links)}; records in {run_dir}", file=sys.stderr)
     try:
         report = Simulation(config, args.peers, run_dir).run()
     except SimulationError as e:

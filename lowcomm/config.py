@@ -2,7 +2,8 @@
 
 The embedded default (`lowcomm/configs/default.toml`) is the reference setup of BENCHMARKS.md.
 A run config is hashed (sha256 of its canonical JSON) so checkpoints and peers can tell whether
-they belong to the same run.
+they belong to the same run. The [link] section describes the emulated network, not the training
+run, so it is left out of the hash: the same run may be replayed under other links.
 """
 
 from __future__ import annotations
@@ -15,6 +16,11 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+from lowcomm.transport.shaper import parse_link_option
+
+
+UNHASHED_SECTIONS = ("link",)  # the emulated network: not part of what makes two runs the same
 
 
 class ConfigError(ValueError):
@@ -89,6 +95,28 @@ class CheckpointConfig:
 
 
 @dataclass
+class LinkConfig:
+    """Emulated access links for `simulate` (transport.shaper): RATE[:LATENCY] specs, "" = unshaped.
+
+        [link]
+        default = "100mbit:40ms"   # every peer's link (`simulate --link` overrides this)
+        [link.peers]               # exceptions, by simulate peer index (0 .. peers-1)
+        0 = "20mbit:80ms"
+
+    A peer joining by hand sets its own link with `peer join --link`; the run's [link] does not
+    shape volunteers.
+    """
+
+    default: str = ""
+    peers: dict[str, str] = field(default_factory=dict)
+
+    def spec_for(self, index: int) -> str:
+        """The link spec of simulate's peer `index` ("" for an unshaped link)."""
+        spec = self.peers.get(str(index), self.default).strip()
+        return "" if spec.lower() in ("none", "off") else spec
+
+
+@dataclass
 class RunConfig:
     run: RunSection = field(default_factory=RunSection)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -98,6 +126,7 @@ class RunConfig:
     ddp: DdpConfig = field(default_factory=DdpConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    link: LinkConfig = field(default_factory=LinkConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -106,7 +135,10 @@ class RunConfig:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
 
     def config_hash(self) -> str:
-        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+        """Identifies the training run: every section but [link] (the emulated network)."""
+        training = {k: v for k, v in self.to_dict().items() if k not in UNHASHED_SECTIONS}
+        text = json.dumps(training, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "RunConfig":
@@ -152,6 +184,20 @@ class RunConfig:
                             ("ddp.epoch_steps", self.ddp.epoch_steps), ("inner.batch_size", self.inner.batch_size)):
             if value < 1:
                 raise ConfigError(f"{name} must be >= 1 (got {value})")
+        self._validate_links()
+
+    def _validate_links(self) -> None:
+        specs = {"link.default": self.link.default}
+        for index, spec in self.link.peers.items():
+            if not index.isdigit():
+                raise ConfigError(f"link.peers.{index}: [link.peers] keys are peer indices (0, 1, ...), "
+                                  f"e.g. 0 = \"20mbit:80ms\"")
+            specs[f"link.peers.{index}"] = spec
+        for key, spec in specs.items():
+            try:
+                parse_link_option(spec)
+            except ValueError as e:
+                raise ConfigError(f"{key} = {spec!r}: {e}") from None
 
 
 def _apply(target: Any, section: str, values: dict[str, Any]) -> None:
@@ -161,7 +207,11 @@ def _apply(target: Any, section: str, values: dict[str, Any]) -> None:
             raise ConfigError(f"unknown key {section}.{key}; known: {', '.join(fields)}")
         current = getattr(target, key)
         try:
-            if isinstance(current, bool):
+            if isinstance(current, dict):
+                if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+                    raise TypeError
+                value = {str(k): v for k, v in value.items()}
+            elif isinstance(current, bool):
                 if not isinstance(value, bool):
                     raise TypeError
             elif isinstance(current, int):
@@ -174,7 +224,8 @@ def _apply(target: Any, section: str, values: dict[str, Any]) -> None:
                 if not isinstance(value, str):
                     raise TypeError
         except (TypeError, ValueError):
-            raise ConfigError(f"{section}.{key} = {value!r}: expected {type(current).__name__}") from None
+            expected = "a table of strings" if isinstance(current, dict) else type(current).__name__
+            raise ConfigError(f"{section}.{key} = {value!r}: expected {expected}") from None
         setattr(target, key, value)
 
 

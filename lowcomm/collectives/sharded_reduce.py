@@ -167,16 +167,16 @@ class ShardedReduce:
                                                  codec=self.codec, total_bytes=len(blob), data=data)
                 else:
                     chunk = wire_pb2.ReduceChunk(data=data)
-                self.traffic.count_sent(chunk)
                 yield chunk
 
         timeout = max(0.1, deadline - time.monotonic() + 0.5)
-        return self._read_reply(stub.Reduce(chunks(), timeout=timeout), shard, numel)
+        call_deadline = time.monotonic() + timeout
+        replies = stub.Reduce(self.traffic.sending(chunks(), call_deadline), timeout=timeout)
+        return self._read_reply(replies, shard, numel, call_deadline)
 
-    def _read_reply(self, stream, shard: int, numel: int) -> ShardReply:
+    def _read_reply(self, stream, shard: int, numel: int, deadline: float) -> ShardReply:
         first, datas = None, []
-        for reply in stream:
-            self.traffic.count_received(reply)
+        for reply in self.traffic.receiving(stream, deadline):
             if first is None:
                 first = reply
                 if reply.status != OK:
@@ -197,10 +197,12 @@ class ShardedReduce:
             if member in (self.me, owner):
                 continue
             request = wire_pb2.ShardRequest(run_id=key.run, group=key.group, round=round_, shard=shard, wait_s=1.0)
-            self.traffic.count_sent(request)
+            call_deadline = time.monotonic() + self.sync.manifest_s
+            self.traffic.count_sent(request, call_deadline)
             try:
                 stub = self.channels.stub(manifest.endpoints[member])
-                return self._read_reply(stub.GetShard(request, timeout=self.sync.manifest_s), shard, numel)
+                replies = stub.GetShard(request, timeout=max(0.1, call_deadline - time.monotonic()))
+                return self._read_reply(replies, shard, numel, call_deadline)
             except (grpc.RpcError, CollectiveError, WireError) as e:
                 logger.info("round %d: %s could not fill shard %d: %s", round_, member, shard, e)
         return None

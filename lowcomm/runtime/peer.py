@@ -34,7 +34,8 @@ from lowcomm.runtime.trainer import LocalTrainer, pick_device
 from lowcomm.transport.control import ControlPlane, PeerRecord
 from lowcomm.transport.identity import Identity, owner_marker_from_text
 from lowcomm.transport.service import PeerService
-from lowcomm.transport.wire import Channels, Traffic, start_server
+from lowcomm.transport.shaper import LinkShaper, LinkSpec
+from lowcomm.transport.wire import Channels, Traffic, deadline_after, start_server
 
 logger = logging.getLogger(__name__)
 MAX_STATE_BYTES = 8 << 30
@@ -55,6 +56,7 @@ class PeerOptions:
     run_dir: Path | None = None
     fault: str | None = None  # test hook: "stall-sync@R" blocks inside round R's reduce
     start_file: Path | None = None  # simulate's start barrier: train once this file exists
+    link: LinkSpec | None = None  # emulated access link for all data-plane traffic (None: unshaped)
 
 
 class Peer:
@@ -63,7 +65,7 @@ class Peer:
         self.identity = Identity.generate()
         self.me = self.identity.peer_id
         self.stop_requested = threading.Event()
-        self.traffic = Traffic()
+        self.traffic = Traffic(LinkShaper(options.link) if options.link is not None else None)
         self.log = RunLog(options.run_dir / "peers" / f"{self.me}.jsonl" if options.run_dir else None, self.me)
         self.record: PeerRecord | None = None
         self._heartbeat_stop = threading.Event()
@@ -102,14 +104,18 @@ class Peer:
             self.algo = DiLoCo(self.trainer.model, self.config.diloco, self.collective, self.key)
         self.rounds_per_sync = 1 if algo == "ddp" else self.config.diloco.inner_steps
         self.log.event("start", endpoint=self.endpoint, client_mode=self.client_mode, algo=algo,
-                       device=device.type, config_hash=self.config.config_hash())
+                       device=device.type, config_hash=self.config.config_hash(),
+                       link=str(o.link) if o.link is not None else None)
 
     def _reachable(self) -> bool:
         """Asks a known peer (or the coordinator) to dial us back; no answer means client mode."""
         for record in self.control.live_peers().values():
             try:
-                reply = self.channels.stub(record.endpoint).Ping(
-                    wire_pb2.PingRequest(sender=self.me, dial_back=self.endpoint), timeout=10.0)
+                request, timeout = wire_pb2.PingRequest(sender=self.me, dial_back=self.endpoint), 10.0
+                deadline = deadline_after(timeout)
+                self.traffic.count_sent(request, deadline)
+                reply = self.channels.stub(record.endpoint).Ping(request, timeout=timeout)
+                self.traffic.count_received(reply, deadline)
                 return reply.dial_back_ok
             except Exception as e:  # any failure of the helper: try the next one
                 logger.info("reachability check through %s failed: %s", record.endpoint, e)
@@ -331,6 +337,8 @@ class Peer:
 
     def _leave(self) -> None:
         self._heartbeat_stop.set()
+        if self.traffic.link is not None:
+            self.traffic.link.close()  # nothing waits on the emulated link any longer
         try:
             if self.record is not None:
                 self.record.state = "leaving"

@@ -1,8 +1,18 @@
-"""The simulation report of DESIGN.md, assembled from the peers' JSONL records."""
+"""The simulation report of DESIGN.md, assembled from the peers' JSONL records.
+
+Beyond DESIGN.md's fields: `links` (each peer's emulated link, None when unshaped, from its start
+event) and `rounds[].link_bound_s`, the least time the round's bytes needed on the links: the
+largest bytes / upload rate over the round's shaped peers. Every peer's sync starts before the
+round's manifest and every byte of the round is sent after it and awaited by some member, so the
+round's `sync_s` (the slowest peer's) is not below it (up to the shaper's 10 ms burst) unless a
+member timed out; their ratio is how well the sync used the links.
+"""
 
 from __future__ import annotations
 
 from collections import defaultdict
+
+from lowcomm.transport.shaper import parse_link_option
 
 
 def build_report(records: list[dict], *, algo: str, peers: int, seed: int, model_params: int,
@@ -14,7 +24,8 @@ def build_report(records: list[dict], *, algo: str, peers: int, seed: int, model
     bytes_sent = sum(max(exits.get(p, {}).get("bytes_sent", 0), c.get("bytes_sent", 0)) for p, c in compute.items())
     bytes_sent += sum(e.get("bytes_sent", 0) for p, e in exits.items() if p not in compute)
 
-    rounds = _rounds(records, first_t)
+    links = {r["peer"]: r.get("link") for r in records if r["type"] == "event" and r.get("kind") == "start"}
+    rounds = _rounds(records, first_t, links)
     cumulative, running = {}, 0
     for row in rounds:
         running += row["bytes"]
@@ -31,6 +42,7 @@ def build_report(records: list[dict], *, algo: str, peers: int, seed: int, model
         "wall_s": last_t - first_t,
         "startup_s": first_t - started_at,
         "compute_s": sum(c.get("compute_s", 0.0) for c in compute.values()),
+        "links": links,
         "rounds": rounds,
         "evals": evals,
         "events": sorted(({**{k: v for k, v in r.items() if k not in ("type",)}, "t": r["t"] - first_t}
@@ -49,7 +61,17 @@ def _last_per_peer(records) -> dict[str, dict]:
     return last
 
 
-def _rounds(records: list[dict], first_t: float) -> list[dict]:
+def _link_bound_s(rows: list[dict], links: dict[str, str | None]) -> float | None:
+    """The longest any shaped peer's upload needed for the bytes it sent in the round."""
+    bounds = []
+    for r in rows:
+        spec = parse_link_option(links.get(r["peer"]))
+        if spec is not None:
+            bounds.append(r["bytes"] / spec.bytes_per_s)
+    return max(bounds) if bounds else None
+
+
+def _rounds(records: list[dict], first_t: float, links: dict[str, str | None]) -> list[dict]:
     by_round = defaultdict(list)
     for r in records:
         if r["type"] == "round":
@@ -59,6 +81,7 @@ def _rounds(records: list[dict], first_t: float) -> list[dict]:
         leader = next((r for r in rs if r.get("leader") == r["peer"]), rs[0])
         rows.append({"round": round_, "t": min(r["t0"] for r in rs) - first_t, "tokens": leader["tokens"],
                      "bytes": sum(r["bytes"] for r in rs), "sync_s": max(r["sync_s"] for r in rs),
+                     "link_bound_s": _link_bound_s(rs, links),
                      "participants": leader["participants"], "contributors": leader["contributors"],
                      "phi_hashes": sorted({r["phi_hash"] for r in rs})})
     return rows

@@ -3,6 +3,7 @@
 Every process runs in its own process group with one torch thread; on every exit path the
 launcher kills each group (so a DHT helper or p2pd never outlives its peer) and checks that
 nothing is left. Progress comes from the peers' JSONL records; the report is built from them.
+Each peer gets its emulated link from the config's [link] section as its own `--link` flag.
 """
 
 from __future__ import annotations
@@ -138,6 +139,8 @@ class Simulation:
             args += ["--start-file", str(self.start_file)]
         if fault or self.peer_faults.get(index):
             args += ["--fault", fault or self.peer_faults[index]]
+        if self.config.link.spec_for(index):
+            args += ["--link", self.config.link.spec_for(index)]
         process = spawn(f"peer-{index}", args, self.run_dir)
         self.processes.append(process)
         return process

@@ -105,11 +105,12 @@ def download_state(channels: Channels, traffic: Traffic, endpoint: str, run_id: 
                    min_round: int, wait_s: float, timeout: float, max_bytes: int) -> wire_pb2.StateChunk:
     """The holder's state as a StateChunk whose `data` is the whole blob (validated by decode_state later)."""
     request = wire_pb2.StateRequest(run_id=run_id, requester=requester, min_round=min_round, wait_s=wait_s)
-    traffic.count_sent(request)
+    deadline = time.monotonic() + timeout + wait_s
+    traffic.count_sent(request, deadline)
     first, datas = None, []
     try:
-        for chunk in channels.stub(endpoint).GetState(request, timeout=timeout + wait_s):
-            traffic.count_received(chunk)
+        stream = channels.stub(endpoint).GetState(request, timeout=max(0.1, deadline - time.monotonic()))
+        for chunk in traffic.receiving(stream, deadline):
             if first is None:
                 if chunk.error:
                     raise StateError(f"{endpoint} refused state: {chunk.error}")

@@ -1,4 +1,4 @@
-"""The gRPC `Peer` service: counts traffic and hands each call to the layer that owns it.
+"""The gRPC `Peer` service: counts (and paces) traffic and hands each call to the layer that owns it.
 
 Collectives register the reduce and hole-filling handlers, the runtime registers the state
 provider; a call that arrives before its handler is registered gets a clear error, not a crash.
@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable, Iterator
+from typing import Callable
 
 import grpc
 
 from lowcomm.proto import wire_pb2, wire_pb2_grpc
-from lowcomm.transport.wire import Channels, Traffic
+from lowcomm.transport.wire import Channels, Traffic, context_deadline, deadline_after
 
 logger = logging.getLogger(__name__)
 
@@ -43,54 +43,52 @@ class PeerService(wire_pb2_grpc.PeerServicer):
         if self.on_error is not None:
             self.on_error(method, str(error))
 
-    def _counted(self, replies: Iterator) -> Iterator:
-        for reply in replies:
-            self.traffic.count_sent(reply)
-            yield reply
-
-    def _counting(self, requests: Iterator) -> Iterator:
-        for request in requests:
-            self.traffic.count_received(request)
-            yield request
-
     def Reduce(self, request_iterator, context):
         if self.reduce_handler is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "this peer serves no reduce yet")
         try:
-            yield from self._counted(self.reduce_handler(self._counting(request_iterator), context))
+            deadline = context_deadline(context)
+            requests = self.traffic.receiving(request_iterator, deadline)
+            yield from self.traffic.sending(self.reduce_handler(requests, context), deadline)
         except Exception as e:  # hostile input must never take the server down
             self._failed("Reduce", e, context)
             yield wire_pb2.ReduceReply(status=wire_pb2.ReduceReply.REJECTED, error=f"{type(e).__name__}: {e}")
 
     def GetShard(self, request, context):
-        self.traffic.count_received(request)
+        deadline = context_deadline(context)
+        self.traffic.count_received(request, deadline)
         if self.shard_handler is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "this peer holds no shards")
         try:
-            yield from self._counted(self.shard_handler(request, context))
+            yield from self.traffic.sending(self.shard_handler(request, context), deadline)
         except Exception as e:
             self._failed("GetShard", e, context)
             yield wire_pb2.ReduceReply(status=wire_pb2.ReduceReply.REJECTED, error=f"{type(e).__name__}: {e}")
 
     def GetState(self, request, context):
-        self.traffic.count_received(request)
+        deadline = context_deadline(context)
+        self.traffic.count_received(request, deadline)
         if self.state_handler is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "this peer has no state to give yet")
         try:
-            yield from self._counted(self.state_handler(request, context))
+            yield from self.traffic.sending(self.state_handler(request, context), deadline)
         except Exception as e:
             self._failed("GetState", e, context)
             yield wire_pb2.StateChunk(error=f"{type(e).__name__}: {e}")
 
     def Ping(self, request, context):
-        self.traffic.count_received(request)
+        deadline = context_deadline(context)
+        self.traffic.count_received(request, deadline)
         reply = wire_pb2.PingReply(peer_id=self.peer_id, round=self.round)
         if request.dial_back:
+            probe, timeout = wire_pb2.PingRequest(sender=self.peer_id), 5.0
+            probe_deadline = deadline_after(timeout)
             try:
-                answer = self.channels.stub(request.dial_back).Ping(wire_pb2.PingRequest(sender=self.peer_id),
-                                                                     timeout=5.0)
+                self.traffic.count_sent(probe, probe_deadline)
+                answer = self.channels.stub(request.dial_back).Ping(probe, timeout=timeout)
+                self.traffic.count_received(answer, probe_deadline)
                 reply.dial_back_ok = bool(answer.peer_id)
             except grpc.RpcError as e:
                 reply.error = f"dial back to {request.dial_back} failed: {e.code().name}"
-        self.traffic.count_sent(reply)
+        self.traffic.count_sent(reply, deadline)
         return reply

@@ -1,18 +1,24 @@
 """gRPC plumbing for the data plane: the server, channels with deadlines, chunked blobs, byte counting.
 
 Every message a peer sends (requests it makes and replies it serves) is counted in `traffic`, at
-its protobuf size plus gRPC's 5-byte message frame, so reports compare bytes on equal terms.
+its protobuf size plus gRPC's 5-byte message frame, so reports compare bytes on equal terms. A
+peer with an emulated link (transport.shaper) also has every message paced there, at that same
+size: `count_sent`/`count_received` for a single message, `sending`/`receiving` for a stream.
+A message is counted when it enters the link, so a round's bytes include replies still crossing
+the link when the sender's own round has ended (its receivers' rounds last until they arrive).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from concurrent import futures
 from typing import Iterable, Iterator
 
 import grpc
 
 from lowcomm.proto import wire_pb2_grpc
+from lowcomm.transport.shaper import LinkShaper
 
 GRPC_FRAME_BYTES = 5  # compressed flag + length prefix of every gRPC message
 MAX_CHUNK_BYTES = 4 << 20  # hard cap on one message, whatever the config says
@@ -23,20 +29,64 @@ class WireError(RuntimeError):
 
 
 class Traffic:
-    """Thread-safe byte counters for one process."""
+    """Thread-safe byte counters for one process, and its emulated link (None: unshaped, no waits).
 
-    def __init__(self):
+    `deadline` is in time.monotonic() seconds: no pacing wait outlasts it.
+    """
+
+    def __init__(self, link: LinkShaper | None = None):
         self._lock = threading.Lock()
+        self.link = link
         self.sent = 0
         self.received = 0
 
-    def count_sent(self, message) -> None:
+    def count_sent(self, message, deadline: float | None = None) -> None:
+        """One message on its own (a unary request or reply): counted, then paced."""
+        size = message.ByteSize() + GRPC_FRAME_BYTES
         with self._lock:
-            self.sent += message.ByteSize() + GRPC_FRAME_BYTES
+            self.sent += size
+        if self.link is not None:
+            self.link.sender().send(size, deadline)
 
-    def count_received(self, message) -> None:
+    def count_received(self, message, deadline: float | None = None) -> None:
+        size = message.ByteSize() + GRPC_FRAME_BYTES
         with self._lock:
-            self.received += message.ByteSize() + GRPC_FRAME_BYTES
+            self.received += size
+        if self.link is not None:
+            self.link.receiver().receive(size, deadline)
+
+    def sending(self, messages: Iterable, deadline: float | None = None) -> Iterator:
+        """The messages of one outgoing stream, each counted and paced before it is passed on."""
+        flow = self.link.sender() if self.link is not None else None
+        for message in messages:
+            size = message.ByteSize() + GRPC_FRAME_BYTES
+            with self._lock:
+                self.sent += size
+            if flow is not None:
+                flow.send(size, deadline)
+            yield message
+
+    def receiving(self, messages: Iterable, deadline: float | None = None) -> Iterator:
+        """The messages of one incoming stream, each counted and paced before it is passed on."""
+        flow = self.link.receiver() if self.link is not None else None
+        for message in messages:
+            size = message.ByteSize() + GRPC_FRAME_BYTES
+            with self._lock:
+                self.received += size
+            if flow is not None:
+                flow.receive(size, deadline)
+            yield message
+
+
+def deadline_after(timeout: float | None) -> float | None:
+    """A gRPC timeout (seconds from now) as a monotonic deadline for pacing waits."""
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def context_deadline(context) -> float | None:
+    """A served call's deadline as a monotonic deadline (None when the caller set none)."""
+    remaining = context.time_remaining()
+    return None if remaining is None or remaining > 1e7 else time.monotonic() + remaining
 
 
 def channel_options(chunk_bytes: int) -> list[tuple[str, int]]:
