@@ -174,6 +174,9 @@ def test_hostile_messages_get_errors_and_the_peer_keeps_training(scenario):
 def test_checkpoint_resume_continues_at_its_round_with_identical_phi(scenario, tmp_path):
     checkpoint = load_checkpoint(Path(scenario["sim"].run_dir) / "checkpoints")
     assert checkpoint.round >= 2 and checkpoint.round % 2 == 0
+    # The state peers served to the checkpointer is counted apart from the training bytes.
+    served = sum(e.get("checkpoint_bytes", 0) for e in events(scenario["records"], "exit"))
+    assert served >= len(checkpoint.blob)
     sim = Simulation(small_config(H * ROUNDS), 2, tmp_path / "resumed", progress=False)
     try:
         sim.start_coordinator(resume=Path(scenario["sim"].run_dir) / "checkpoints")

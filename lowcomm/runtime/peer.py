@@ -32,7 +32,7 @@ from lowcomm.runtime.runlog import RunLog
 from lowcomm.runtime.state_transfer import StateError, StateHolder, decode_state, download_state, encode_state
 from lowcomm.runtime.trainer import LocalTrainer, pick_device
 from lowcomm.transport.control import ControlPlane, PeerRecord
-from lowcomm.transport.identity import Identity, owner_marker_from_text
+from lowcomm.transport.identity import Identity, owner_marker_from_text, peer_id_of
 from lowcomm.transport.service import PeerService
 from lowcomm.transport.shaper import LinkShaper, LinkSpec
 from lowcomm.transport.wire import Channels, Traffic, deadline_after, start_server
@@ -86,6 +86,7 @@ class Peer:
         self.client_mode = o.client_mode if o.client_mode is not None else not self._reachable()
         self.holder = StateHolder(o.run_name, sync.chunk_bytes)
         self.service.state_handler = self.holder.serve
+        self.service.checkpointer = peer_id_of(owner_marker_from_text(o.run_key))
         device = pick_device(o.device)
         shard = o.data_shard if o.data_shard is not None else int(self.me, 16) % o.num_shards
         self.trainer = LocalTrainer(self.config, shard, o.num_shards, device)
@@ -273,7 +274,7 @@ class Peer:
             if self.step % 10 == 0 or self.step >= total:
                 self.log.write("compute", compute_s=self.trainer.compute_s, steps=self.steps_done,
                                tokens=self.tokens_trained, first_step_t=first_step_t, last_step_t=time.time(),
-                               bytes_sent=self.traffic.sent)
+                               bytes_sent=self.traffic.sent, checkpoint_bytes=self.traffic.checkpoint_sent)
         self.log.event("done" if self.step >= total else "stopped", round=self.round, step=self.step)
 
     def _sync(self, round_: int) -> bool:
@@ -356,6 +357,6 @@ class Peer:
                     obj.shutdown()
             except Exception as e:
                 logger.info("closing %s: %s", closer, e)
-        self.log.event("exit", bytes_sent=self.traffic.sent, compute_s=getattr(getattr(self, "trainer", None),
+        self.log.event("exit", bytes_sent=self.traffic.sent, checkpoint_bytes=self.traffic.checkpoint_sent, compute_s=getattr(getattr(self, "trainer", None),
                                                                                 "compute_s", 0.0))
         self.log.close()

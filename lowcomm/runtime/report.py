@@ -23,6 +23,9 @@ def build_report(records: list[dict], *, algo: str, peers: int, seed: int, model
     exits = {r["peer"]: r for r in records if r["type"] == "event" and r.get("kind") == "exit"}
     bytes_sent = sum(max(exits.get(p, {}).get("bytes_sent", 0), c.get("bytes_sent", 0)) for p, c in compute.items())
     bytes_sent += sum(e.get("bytes_sent", 0) for p, e in exits.items() if p not in compute)
+    checkpoint_bytes = sum(max(exits.get(p, {}).get("checkpoint_bytes", 0), c.get("checkpoint_bytes", 0))
+                           for p, c in compute.items())
+    checkpoint_bytes += sum(e.get("checkpoint_bytes", 0) for p, e in exits.items() if p not in compute)
 
     links = {r["peer"]: r.get("link") for r in records if r["type"] == "event" and r.get("kind") == "start"}
     rounds = _rounds(records, first_t, links)
@@ -39,6 +42,7 @@ def build_report(records: list[dict], *, algo: str, peers: int, seed: int, model
         "final_loss_spread": (max(final) - min(final)) if final else None,
         "bytes_sent": bytes_sent,
         "control_bytes": None,
+        "checkpoint_bytes": checkpoint_bytes,  # state served to the coordinator's checkpoints, not in bytes_sent
         "wall_s": last_t - first_t,
         "startup_s": first_t - started_at,
         "compute_s": sum(c.get("compute_s", 0.0) for c in compute.values()),

@@ -28,6 +28,7 @@ class PeerService(wire_pb2_grpc.PeerServicer):
         self.reduce_handler: Callable | None = None
         self.shard_handler: Callable | None = None
         self.state_handler: Callable | None = None
+        self.checkpointer: str | None = None  # the coordinator's peer id: its GetState calls are checkpoints
         self._errors = 0
         self._lock = threading.Lock()
         self.on_error: Callable[[str, str], None] | None = None
@@ -71,7 +72,8 @@ class PeerService(wire_pb2_grpc.PeerServicer):
         if self.state_handler is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "this peer has no state to give yet")
         try:
-            yield from self.traffic.sending(self.state_handler(request, context), deadline)
+            checkpoint = self.checkpointer is not None and request.requester == self.checkpointer
+            yield from self.traffic.sending(self.state_handler(request, context), deadline, checkpoint=checkpoint)
         except Exception as e:
             self._failed("GetState", e, context)
             yield wire_pb2.StateChunk(error=f"{type(e).__name__}: {e}")

@@ -39,6 +39,7 @@ class Traffic:
         self.link = link
         self.sent = 0
         self.received = 0
+        self.checkpoint_sent = 0  # state served to the coordinator's checkpointer: not training traffic
 
     def count_sent(self, message, deadline: float | None = None) -> None:
         """One message on its own (a unary request or reply): counted, then paced."""
@@ -55,13 +56,20 @@ class Traffic:
         if self.link is not None:
             self.link.receiver().receive(size, deadline)
 
-    def sending(self, messages: Iterable, deadline: float | None = None) -> Iterator:
-        """The messages of one outgoing stream, each counted and paced before it is passed on."""
+    def sending(self, messages: Iterable, deadline: float | None = None, *, checkpoint: bool = False) -> Iterator:
+        """The messages of one outgoing stream, each counted and paced before it is passed on.
+
+        ``checkpoint``: the stream feeds the coordinator's checkpoints; its bytes are paced like any
+        others but counted in ``checkpoint_sent``, apart from the training traffic in ``sent``.
+        """
         flow = self.link.sender() if self.link is not None else None
         for message in messages:
             size = message.ByteSize() + GRPC_FRAME_BYTES
             with self._lock:
-                self.sent += size
+                if checkpoint:
+                    self.checkpoint_sent += size
+                else:
+                    self.sent += size
             if flow is not None:
                 flow.send(size, deadline)
             yield message
