@@ -9,6 +9,7 @@ Each peer gets its emulated link from the config's [link] section as its own `--
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -23,6 +24,8 @@ from lowcomm.config import RunConfig
 from lowcomm.models.gpt import GPT
 from lowcomm.runtime.report import build_report
 from lowcomm.runtime.runlog import read_records
+
+logger = logging.getLogger(__name__)
 
 
 class SimulationError(RuntimeError):
@@ -101,6 +104,12 @@ class Simulation:
 
     def start_coordinator(self, resume: Path | None = None) -> dict:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        records = self.run_dir / "peers"
+        if records.exists() and any(records.iterdir()):
+            # A reused run dir: keep the old records, but out of this run's report.
+            kept = self.run_dir / f"peers.before-{int(time.time())}"
+            records.rename(kept)
+            logger.warning("%s held records of an earlier run; moved them to %s", records, kept)
         config_path = self.run_dir / "run.json"
         config_path.write_text(json.dumps(self.config.to_dict(), indent=1))
         ready = self.run_dir / "coordinator.json"
