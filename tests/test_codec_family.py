@@ -1,4 +1,5 @@
-"""Tests for fp8, q2, topk and dct-topk: reference vectors, properties, sizes and hostile input."""
+"""Tests for fp8, q2, topk and dct-topk (reference vectors, properties, sizes, validation) and
+fuzzing of every codec: mutated blobs must raise only CodecError."""
 
 from __future__ import annotations
 
@@ -439,7 +440,7 @@ def declared_shape(blob: bytes) -> tuple[int, ...]:
     return struct.unpack_from(f"<{body[1]}Q", body, 2)
 
 
-FUZZ_CONFIGS = [("fp8", {}), ("q2", {}), ("topk", {"k": 4, "chunk": 8}), ("topk", {"k": 2, "values": "fp8"}), ("dct-topk", {"k": 3, "chunk": 8}), ("dct-topk", {"k": 2, "sign": True})]
+FUZZ_CONFIGS = [("dense", {}), ("dense", {"dtype": "bfloat16"}), ("uint8", {}), ("fp8", {}), ("q2", {}), ("topk", {"k": 4, "chunk": 8}), ("topk", {"k": 2, "values": "fp8"}), ("dct-topk", {"k": 3, "chunk": 8}), ("dct-topk", {"k": 2, "sign": True})]
 
 
 @pytest.mark.parametrize(("name", "params"), FUZZ_CONFIGS)
