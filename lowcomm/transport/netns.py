@@ -1,0 +1,590 @@
+"""Network namespaces for `lowcomm simulate --netns`: every process of a node on its own capped link.
+
+A NetnsLab owns what it creates on the host and nothing else: one Linux bridge in the root
+namespace, one network namespace per node joined to the bridge by a veth pair, `tc` htb caps on
+both ends of each pair, and a marker file RUN_DIR/<tag>. Everything is named after the lab's tag
+(`lcn` + 4 hex digits), so leftovers can be found and removed (BENCHMARKS.md, "How to emulate the
+internet on one machine"). Because the kernel shapes and counts the packets, this works for any
+program run through `node.wrap(cmd)`, lowcomm or not.
+
+- **Addresses.** A lab takes two private /24s that overlap no IPv4 address or route on the host: a
+  data subnet and a control subnet. Node i (from 0) has .(i+2) of both on its `eth0`: `address` for
+  gRPC and everything that is not lowcomm's control plane, `control_address` for the DHT (give it to
+  p2pd's host and announce multiaddrs). The bridge holds .1 of both and is the nodes' default route;
+  the host does not forward (the lab leaves ip_forward alone), so nothing leaves the machine. IPv6
+  is off on the lab's links, so router solicitations and the like do not add to the counters.
+- **Caps.** The same htb tree on the node's `eth0` (its egress is the node's upload) and on the
+  host-side veth (its egress toward the node is the node's download): a root class at the link
+  rate and two leaves, data (1:10) and control (1:20), each guaranteed half and allowed all of it.
+  A u32 filter sends packets with a control-subnet source or destination to the control leaf; the
+  rest (ARP included) is data. So both planes share one cap, and `tc -s class show` counts each.
+  Burst is BURST_S (10 ms, as the application shaper's bucket) of the rate, at least two full
+  frames. htb needs burst >= rate/HZ only where its clock ticks at HZ; on high-resolution timers
+  (/proc/net/psched reports 1 GHz) 10 ms is far above any such bound. Each leaf queues at most
+  BUFFER_S (100 ms) of its link (16 to 1000 frames), so a download fed faster than it drains drops
+  packets as an access link does instead of queueing seconds of delay. There is no latency here:
+  the `netem` qdisc is not available, so latency stays in the application shaper.
+- **Counting.** GSO is off on the lab's veths (gso_max_segs 1), so every packet the qdisc sees is
+  one wire frame: the veth counters and the htb class counters count the same frames, Ethernet
+  header included, for every program alike. `counters()` reads the host-side veth, whose rx is the
+  node's tx. A lab's counters are snapshotted when it closes and still readable afterwards.
+- **Cleanup.** `close()` (also `__exit__` and atexit) SIGKILLs every process still inside the
+  lab's namespaces, then deletes its veths, namespaces, bridge and marker. A reaper process in its
+  own session holds the read end of a pipe from the owner; when the owner dies, even by SIGKILL,
+  the pipe closes and the reaper removes the lab. `cleanup_stale()` removes labs whose owner is
+  gone (and lab objects with no marker), for the case where the reaper died too.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import fcntl
+import ipaddress
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+RUN_DIR = Path("/run/lowcomm-netns")  # markers and the lock; /run is emptied at boot, as namespaces are
+NETNS_DIR = Path("/run/netns")  # where `ip netns add` mounts namespaces
+TAG_PREFIX = "lcn"
+TAG_PATTERN = re.compile(r"lcn[0-9a-f]{4}")
+NODE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,40}")
+MAX_NODES = 253  # .2 to .254 of a /24
+BURST_S = 0.010
+BUFFER_S = 0.100
+FRAME_BYTES = 1514  # a full Ethernet frame: 1500 bytes of MTU and a 14-byte header
+UNCAPPED_BITS = 10e9  # "no cap": htb still classifies and counts
+COMMAND_TIMEOUT_S = 30.0
+KILL_TIMEOUT_S = 10.0
+LOCK_TIMEOUT_S = 60.0
+WHAT_TO_DO = "run as root (sudo) or drop --netns to use the application shaper (--link)"
+DATA_CLASS, CONTROL_CLASS = "1:10", "1:20"
+
+
+class NetnsError(RuntimeError):
+    """A command that builds or removes a lab failed; the message has the command and its output."""
+
+
+class NetnsUnavailable(NetnsError):
+    """Namespaces cannot be made here (not root, no iproute2, no htb); the message says what to do."""
+
+
+def unavailable_reason() -> str | None:
+    """Why NetnsLab cannot run here, as a sentence that says what to do; None where it can (probably)."""
+    if not sys.platform.startswith("linux"):
+        return f"network namespaces need Linux (this is {sys.platform}): drop --netns to use the application " \
+               f"shaper (--link)"
+    if os.geteuid() != 0:
+        return f"network namespaces and tc need root (this process runs as uid {os.geteuid()}): {WHAT_TO_DO}"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"{' and '.join(missing)} not found on PATH: install iproute2, or drop --netns to use the " \
+               f"application shaper (--link)"
+    return None
+
+
+# ---- commands --------------------------------------------------------------------------------
+
+def _run(args: list[str], *, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    try:
+        done = subprocess.run(args, input=stdin, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+    except FileNotFoundError as error:
+        raise NetnsUnavailable(f"{args[0]} not found: install iproute2, or {WHAT_TO_DO}") from error
+    except subprocess.TimeoutExpired as error:
+        raise NetnsError(f"`{' '.join(args)}` did not finish in {COMMAND_TIMEOUT_S:.0f}s") from error
+    if check and done.returncode != 0:
+        output = (done.stderr.strip() or done.stdout.strip()).replace("\n", "; ")
+        text = f"`{' '.join(args)}` failed with code {done.returncode}: {output}"
+        if stdin:
+            text += f" (commands: {stdin.strip()!r})"
+        if "Operation not permitted" in output:
+            raise NetnsUnavailable(f"{text}; this process may not create network devices: {WHAT_TO_DO}")
+        if "qdisc kind is unknown" in output or "Unknown qdisc" in output:
+            raise NetnsUnavailable(f"{text}; the kernel has no htb qdisc (sch_htb): load it (modprobe sch_htb) "
+                                   f"or drop --netns to use the application shaper (--link)")
+        raise NetnsError(text)
+    return done
+
+
+def _ip_batch(lines: list[str], netns: str | None = None) -> None:
+    _run(["ip", *(["-n", netns] if netns else []), "-batch", "-"], stdin="\n".join(lines) + "\n")
+
+
+def _tc_batch(lines: list[str], netns: str | None = None) -> None:
+    _run(["tc", *(["-n", netns] if netns else []), "-batch", "-"], stdin="\n".join(lines) + "\n")
+
+
+def _list_netns() -> list[str]:
+    return [line.split()[0] for line in _run(["ip", "netns", "list"]).stdout.splitlines() if line.strip()]
+
+
+def _list_links() -> list[str]:
+    return [link["ifname"] for link in json.loads(_run(["ip", "-j", "link", "show"]).stdout or "[]")]
+
+
+def _disable_ipv6(interface: str) -> None:
+    """Before the link goes up, so it sends no router solicitations or MLD reports (absent IPv6: nothing to do)."""
+    with contextlib.suppress(OSError):
+        Path(f"/proc/sys/net/ipv6/conf/{interface}/disable_ipv6").write_text("1")
+
+
+# ---- addresses -------------------------------------------------------------------------------
+
+def host_networks() -> list[ipaddress.IPv4Network]:
+    """Every IPv4 network the host has an address in or a route to (any table), default routes aside."""
+    networks = []
+    for link in json.loads(_run(["ip", "-4", "-j", "addr", "show"]).stdout or "[]"):
+        for info in link.get("addr_info", []):
+            networks.append(ipaddress.ip_interface(f"{info['local']}/{info['prefixlen']}").network)
+    for route in json.loads(_run(["ip", "-4", "-j", "route", "show", "table", "all"]).stdout or "[]"):
+        with contextlib.suppress(ValueError):
+            if route.get("dst", "default") != "default":
+                networks.append(ipaddress.ip_network(route["dst"], strict=False))
+    return networks
+
+
+def choose_subnets(used: list[ipaddress.IPv4Network],
+                   rng: random.Random | None = None) -> tuple[ipaddress.IPv4Network, ipaddress.IPv4Network]:
+    """A free (data, control) pair of /24s: 10.{2j+200}.k.0/24 and 10.{2j+201}.k.0/24, picked at random."""
+    candidates = list(range(28 * 256))
+    (rng or random.Random()).shuffle(candidates)
+    for candidate in candidates:
+        j, k = divmod(candidate, 256)
+        pair = ipaddress.ip_network(f"10.{200 + 2 * j}.{k}.0/24"), ipaddress.ip_network(f"10.{201 + 2 * j}.{k}.0/24")
+        if not any(net.overlaps(other) for net in pair for other in used):
+            return pair
+    raise NetnsError("no free pair of /24s in 10.200.0.0-10.255.255.255 for a lab: the host's addresses and "
+                     "routes cover them all")
+
+
+# ---- the htb tree --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class HtbParams:
+    rate_bits: int
+    burst_bytes: int  # for the rate and the ceil
+    queue_frames: int  # each leaf's pfifo limit
+
+    @classmethod
+    def for_rate(cls, rate_bits: float) -> "HtbParams":
+        burst = max(int(rate_bits / 8 * BURST_S), 2 * FRAME_BYTES)
+        queue = min(max(int(rate_bits / 8 * BUFFER_S / FRAME_BYTES), 16), 1000)
+        return cls(int(rate_bits), burst, queue)
+
+
+def _htb_commands(device: str, params: HtbParams, control_net: ipaddress.IPv4Network, new: bool) -> list[str]:
+    verb = "add" if new else "change"
+    r, half, b = params.rate_bits, max(params.rate_bits // 2, 1), params.burst_bytes
+    lines = [f"qdisc add dev {device} root handle 1: htb default 10"] if new else []
+    lines += [f"class {verb} dev {device} parent 1: classid 1:1 htb rate {r}bit ceil {r}bit burst {b} cburst {b}"]
+    for leaf in (DATA_CLASS, CONTROL_CLASS):
+        # quantum: one full frame per DRR turn, so the leaves interleave frame by frame when both borrow
+        lines.append(f"class {verb} dev {device} parent 1:1 classid {leaf} htb rate {half}bit ceil {r}bit "
+                     f"burst {b} cburst {b} quantum {FRAME_BYTES}")
+        handle = leaf.split(":")[1]
+        lines.append(f"qdisc {'add' if new else 'change'} dev {device} parent {leaf} handle {handle}: pfifo "
+                     f"limit {params.queue_frames}")
+    if new:
+        for field_name in ("src", "dst"):
+            lines.append(f"filter add dev {device} parent 1: protocol ip prio 1 u32 match ip {field_name} "
+                         f"{control_net} flowid {CONTROL_CLASS}")
+    return lines
+
+
+_CLASS_STATS = re.compile(r"^class htb (\d+:\d+) [^\n]*\n\s*Sent (\d+) bytes (\d+) pkt", re.M)
+
+
+def _class_bytes(device: str, netns: str | None = None) -> dict[str, int]:
+    # `tc -j` prints no JSON for htb classes in iproute2 6.1, so the text is read
+    text = _run(["tc", *(["-n", netns] if netns else []), "-s", "class", "show", "dev", device]).stdout
+    sent = {handle: int(nbytes) for handle, nbytes, _ in _CLASS_STATS.findall(text)}
+    return {"data": sent.get(DATA_CLASS, 0), "control": sent.get(CONTROL_CLASS, 0)}
+
+
+# ---- markers, owners and removal -----------------------------------------------------------
+
+def _process_start(pid: int) -> int | None:
+    """The process's start time in clock ticks (tells a reused pid apart); None if it is gone or a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def _marker_path(tag: str) -> Path:
+    return RUN_DIR / tag
+
+
+def _read_marker(tag: str) -> dict | None:
+    try:
+        return json.loads(_marker_path(tag).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _owner_alive(marker: dict) -> bool:
+    return marker.get("start") is not None and _process_start(int(marker.get("pid", 0))) == marker["start"]
+
+
+@contextlib.contextmanager
+def _locked():
+    """One lab at a time picks its tag and subnets, and removal does not race creation."""
+    RUN_DIR.mkdir(parents=True, exist_ok=True)
+    with open(RUN_DIR / ".lock", "w") as lock:
+        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise NetnsError(f"{RUN_DIR / '.lock'} stayed locked for {LOCK_TIMEOUT_S:.0f}s") from None
+                time.sleep(0.05)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _pids_inside(netns: str) -> list[int]:
+    """What `ip netns pids` prints, without a process per call. A zombie has left its namespace."""
+    try:
+        target = os.stat(NETNS_DIR / netns)
+    except OSError:
+        return []
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                inode = os.stat(f"/proc/{entry}/ns/net")
+            except OSError:
+                continue
+            if (inode.st_ino, inode.st_dev) == (target.st_ino, target.st_dev):
+                pids.append(int(entry))
+    return pids
+
+
+def _kill_inside(namespaces: list[str]) -> list[int]:
+    """SIGKILLs every process in these namespaces until none is left (or KILL_TIMEOUT_S); returns survivors."""
+    deadline = time.monotonic() + KILL_TIMEOUT_S
+    while True:
+        pids = [pid for ns in namespaces for pid in _pids_inside(ns)]
+        if not pids or time.monotonic() > deadline:
+            return pids
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.02)
+
+
+def lab_objects(tag: str) -> dict[str, list[str]]:
+    """The namespaces and root-namespace links of lab `tag` that exist now."""
+    return {"netns": [ns for ns in _list_netns() if ns.startswith(f"{tag}-")],
+            "links": [link for link in _list_links() if re.fullmatch(rf"{tag}(br|h\d+)", link)]}
+
+
+def remove_lab(tag: str) -> dict[str, list[str]]:
+    """Kills the processes inside lab `tag`, deletes its veths, namespaces, bridge and then its marker.
+
+    Returns what is still there (empty lists when all went); the marker stays while anything does.
+    """
+    objects = lab_objects(tag)
+    survivors = _kill_inside(objects["netns"])
+    if survivors:
+        logger.warning("processes %s in lab %s survived SIGKILL for %.0fs", survivors, tag, KILL_TIMEOUT_S)
+    bridge = f"{tag}br"
+    for link in sorted(objects["links"], key=lambda name: name == bridge):  # the bridge last
+        _run(["ip", "link", "del", link], check=False)  # deleting one end of a veth deletes both
+    for ns in objects["netns"]:
+        _run(["ip", "netns", "del", ns], check=False)
+    left = lab_objects(tag)
+    if not left["netns"] and not left["links"]:
+        _marker_path(tag).unlink(missing_ok=True)
+    return left
+
+
+def cleanup_stale() -> list[str]:
+    """Removes every lab whose owner process is gone, and lab objects that have no marker; returns their tags."""
+    reason = unavailable_reason()
+    if reason:
+        raise NetnsUnavailable(reason)
+    removed = []
+    with _locked():
+        names = [*_list_netns(), *_list_links(), *(p.name for p in RUN_DIR.iterdir())]
+        tags = {m.group(0) for m in (TAG_PATTERN.match(name) for name in names) if m}
+        for tag in sorted(tags):
+            marker = _read_marker(tag)
+            if marker is not None and _owner_alive(marker):
+                continue
+            left = remove_lab(tag)
+            if left["netns"] or left["links"]:
+                logger.warning("could not remove all of stale lab %s: %s", tag, left)
+            else:
+                logger.info("removed stale lab %s (owner pid %s)", tag, (marker or {}).get("pid"))
+                removed.append(tag)
+    return removed
+
+
+# ---- the lab -------------------------------------------------------------------------------
+
+@dataclass
+class Node:
+    """One namespace on the lab's bridge; run anything in it with `wrap`."""
+
+    lab: "NetnsLab" = field(repr=False)
+    name: str
+    index: int
+    ns: str
+    address: str  # data subnet
+    control_address: str  # control subnet: the DHT / p2pd
+    host_veth: str  # the veth's end in the root namespace, on the bridge
+    rate_bits: float | None = None  # None: uncapped
+    final: dict | None = field(default=None, repr=False)  # counters and class bytes when the lab closed
+
+    def wrap(self, cmd: list[str]) -> list[str]:
+        """`cmd` run inside this node's namespace (`ip netns exec` keeps the pid: it execs the command)."""
+        return [shutil.which("ip") or "ip", "netns", "exec", self.ns, *cmd]
+
+    def counters(self) -> dict[str, int]:
+        """Bytes this node sent (tx) and received (rx), Ethernet frames whole, from the host-side veth."""
+        if self.final is not None:
+            return dict(self.final["counters"])
+        stats = Path("/sys/class/net") / self.host_veth / "statistics"
+        # the host side receives what the node sends
+        return {"tx": int((stats / "rx_bytes").read_text()), "rx": int((stats / "tx_bytes").read_text())}
+
+    def class_bytes(self) -> dict[str, dict[str, int]]:
+        """{"data": {"tx", "rx"}, "control": {"tx", "rx"}}: the same frames as counters(), split by plane."""
+        if self.final is not None:
+            return {plane: dict(split) for plane, split in self.final["class_bytes"].items()}
+        sent = _class_bytes("eth0", self.ns)
+        received = _class_bytes(self.host_veth)
+        return {plane: {"tx": sent[plane], "rx": received[plane]} for plane in ("data", "control")}
+
+
+class NetnsLab:
+    """A bridge and one network namespace per node, with htb caps; removed on every exit path.
+
+    with NetnsLab() as lab:
+        a = lab.add_node("peer-0", rate=20e6)
+        subprocess.Popen(a.wrap(["python", "-m", "lowcomm.cli", ...]), start_new_session=True)
+    """
+
+    def __init__(self, *, reaper: bool = True, clean_stale: bool = True):
+        self.use_reaper = reaper
+        self.clean_stale = clean_stale
+        self.tag: str | None = None
+        self.nodes: list[Node] = []
+        self.closed = False
+        self._reaper: subprocess.Popen | None = None
+        self._reaper_pipe: int | None = None
+
+    # -- lifecycle --
+
+    def __enter__(self) -> "NetnsLab":
+        self.open()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        try:
+            self.close()
+        except NetnsError:
+            if exc_type is None:
+                raise
+            logger.exception("while leaving a lab after %s", exc_type.__name__)
+        return False
+
+    def open(self) -> "NetnsLab":
+        reason = unavailable_reason()
+        if reason:
+            raise NetnsUnavailable(reason)
+        if self.clean_stale:
+            cleanup_stale()
+        try:
+            with _locked():
+                self.tag = self._new_tag()
+                self.data_net, self.control_net = choose_subnets(host_networks() + self._other_labs_subnets())
+                _marker_path(self.tag).write_text(json.dumps({
+                    "pid": os.getpid(), "start": _process_start(os.getpid()), "created": time.time(),
+                    "data_net": str(self.data_net), "control_net": str(self.control_net)}))
+                atexit.register(self.close)
+                if self.use_reaper:
+                    self._start_reaper()
+                self._add_bridge()
+        except BaseException:
+            with contextlib.suppress(NetnsError):
+                self.close()
+            raise
+        logger.info("lab %s: data %s, control %s", self.tag, self.data_net, self.control_net)
+        return self
+
+    def close(self) -> None:
+        """Kills what runs inside, snapshots the counters, removes everything; NetnsError lists what is left."""
+        if self.closed or self.tag is None:
+            return
+        _kill_inside([node.ns for node in self.nodes])
+        for node in self.nodes:
+            with contextlib.suppress(OSError, NetnsError):
+                snapshot = {"counters": node.counters(), "class_bytes": node.class_bytes()}
+                node.final = snapshot
+        left = remove_lab(self.tag)
+        self.closed = True
+        atexit.unregister(self.close)
+        self._stop_reaper()
+        if left["netns"] or left["links"]:
+            raise NetnsError(f"lab {self.tag} left {left}; remove them with `python -m lowcomm.transport.netns "
+                             f"cleanup` (as root) once whatever holds them has exited")
+
+    # -- nodes --
+
+    @property
+    def bridge(self) -> str:
+        return f"{self.tag}br"
+
+    @property
+    def bridge_address(self) -> str:
+        return str(self.data_net.network_address + 1)
+
+    def add_node(self, name: str, rate: float | None = None) -> Node:
+        """A namespace `<tag>-<name>` with `eth0` on the bridge, capped at `rate` bits/s each way (None: uncapped)."""
+        if self.tag is None or self.closed:
+            raise NetnsError("add_node needs an open lab (use `with NetnsLab() as lab:`)")
+        if not NODE_NAME.fullmatch(name) or any(node.name == name for node in self.nodes):
+            raise ValueError(f"node name {name!r} must be new and match {NODE_NAME.pattern}")
+        index = len(self.nodes)
+        if index >= MAX_NODES:
+            raise NetnsError(f"a lab holds at most {MAX_NODES} nodes")
+        node = Node(self, name, index, ns=f"{self.tag}-{name}",
+                    address=str(self.data_net.network_address + 2 + index),
+                    control_address=str(self.control_net.network_address + 2 + index),
+                    host_veth=f"{self.tag}h{index}", rate_bits=rate)
+        self.nodes.append(node)  # before anything exists, so close() always looks for it
+        _run(["ip", "netns", "add", node.ns])
+        # in the new namespace, before its eth0 exists, so eth0 is born without IPv6 (no sysctl: IPv6 stays on)
+        _run(["ip", "netns", "exec", node.ns, "sysctl", "-q", "-w", "net.ipv6.conf.all.disable_ipv6=1",
+              "net.ipv6.conf.default.disable_ipv6=1"], check=False)
+        _ip_batch([f"link add {node.host_veth} type veth peer name eth0 netns {node.ns}"])
+        _disable_ipv6(node.host_veth)
+        _ip_batch([f"link set {node.host_veth} master {self.bridge} gso_max_segs 1",
+                   f"link set {node.host_veth} up"])
+        prefix = self.data_net.prefixlen
+        _ip_batch(["link set lo up", "link set eth0 gso_max_segs 1", "link set eth0 up",
+                   f"addr add {node.address}/{prefix} dev eth0",
+                   f"addr add {node.control_address}/{self.control_net.prefixlen} dev eth0",
+                   f"route add default via {self.bridge_address}"], netns=node.ns)
+        params = HtbParams.for_rate(rate or UNCAPPED_BITS)
+        _tc_batch(_htb_commands("eth0", params, self.control_net, new=True), netns=node.ns)
+        _tc_batch(_htb_commands(node.host_veth, params, self.control_net, new=True))
+        return node
+
+    def set_rate(self, node: Node, rate_bits: float | None) -> None:
+        """Caps the node's upload (its eth0) and download (the host-side veth) at rate_bits each; None uncaps."""
+        params = HtbParams.for_rate(rate_bits or UNCAPPED_BITS)
+        _tc_batch(_htb_commands("eth0", params, self.control_net, new=False), netns=node.ns)
+        _tc_batch(_htb_commands(node.host_veth, params, self.control_net, new=False))
+        node.rate_bits = rate_bits
+
+    def sent_bytes(self) -> dict[str, int]:
+        """What all nodes put on their links, per plane, and in all (for a report's bytes and control_bytes)."""
+        totals = {"data": 0, "control": 0}
+        for node in self.nodes:
+            for plane, split in node.class_bytes().items():
+                totals[plane] += split["tx"]
+        return {**totals, "total": totals["data"] + totals["control"]}
+
+    # -- internals --
+
+    def _new_tag(self) -> str:
+        taken = {name[:7] for name in [*_list_netns(), *_list_links(), *(p.name for p in RUN_DIR.iterdir())]}
+        while True:
+            tag = f"{TAG_PREFIX}{random.getrandbits(16):04x}"
+            if tag not in taken:
+                return tag
+
+    def _other_labs_subnets(self) -> list[ipaddress.IPv4Network]:
+        nets = []
+        for path in RUN_DIR.iterdir():
+            marker = _read_marker(path.name) if TAG_PATTERN.fullmatch(path.name) else None
+            for key in ("data_net", "control_net"):
+                if marker and key in marker:
+                    nets.append(ipaddress.ip_network(marker[key]))
+        return nets
+
+    def _add_bridge(self) -> None:
+        _ip_batch([f"link add {self.bridge} type bridge"])
+        _disable_ipv6(self.bridge)
+        _ip_batch([f"addr add {self.bridge_address}/{self.data_net.prefixlen} dev {self.bridge}",
+                   f"addr add {self.control_net.network_address + 1}/{self.control_net.prefixlen} dev {self.bridge}",
+                   f"link set {self.bridge} up"])
+
+    def _start_reaper(self) -> None:
+        read_end, write_end = os.pipe()
+        env = dict(os.environ)
+        package_root = str(Path(__file__).resolve().parents[2])  # importable even without an install
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+        try:
+            self._reaper = subprocess.Popen(
+                [sys.executable, "-m", "lowcomm.transport.netns", "reap", self.tag, str(read_end)],
+                pass_fds=(read_end,), start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, cwd="/", env=env)
+        finally:
+            os.close(read_end)
+        self._reaper_pipe = write_end  # not inheritable: children the owner starts do not keep the reaper waiting
+
+    def _stop_reaper(self) -> None:
+        if self._reaper_pipe is not None:
+            os.close(self._reaper_pipe)  # EOF: the reaper finds no marker and exits
+            self._reaper_pipe = None
+        if self._reaper is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._reaper.wait(timeout=5)  # longer only if a fork of the owner still holds the pipe
+            self._reaper = None
+
+
+def _reap(tag: str, fd: int) -> None:
+    """The reaper: blocks until its owner closes the pipe (by close() or by dying), then removes what is left."""
+    while os.read(fd, 4096):
+        pass
+    if _read_marker(tag) is not None:
+        with _locked():
+            remove_lab(tag)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m lowcomm.transport.netns",
+                                     description="Remove network namespaces left by lowcomm labs whose owner died.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("cleanup", help="remove labs whose owner process is gone")
+    reap = sub.add_parser("reap", help=argparse.SUPPRESS)
+    reap.add_argument("tag")
+    reap.add_argument("fd", type=int)
+    args = parser.parse_args(argv)
+    if args.command == "reap":
+        _reap(args.tag, args.fd)
+        return 0
+    try:
+        removed = cleanup_stale()
+    except NetnsUnavailable as error:
+        print(f"lowcomm netns: {error}", file=sys.stderr)
+        return 2
+    print(f"removed {len(removed)} stale lab(s){': ' + ', '.join(removed) if removed else ''}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
