@@ -61,8 +61,10 @@ def _add_simulate(sub) -> None:
     simulate.add_argument("--link", metavar="RATE[:LATENCY]",
                           help="every peer's emulated link, e.g. 100mbit:40ms or none (overrides link.default; "
                                "[link.peers] exceptions still apply)")
-    for unsupported in ("--stages", "--churn"):
-        simulate.add_argument(unsupported, help=argparse.SUPPRESS)
+    simulate.add_argument("--churn", metavar="SPEC",
+                          help="inject churn: a schedule such as kill:1@r3,leave:1@r4,join:2@t30s (at round rN or "
+                               "N seconds tNs) or a rate such as 0.25/round (overrides churn.spec; none disables)")
+    simulate.add_argument("--stages", help=argparse.SUPPRESS)
     simulate.add_argument("--netns", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -130,22 +132,24 @@ def peer_join(args) -> int:
 
 
 def simulate(args) -> int:
+    from lowcomm.runtime.churn import parse_churn
     from lowcomm.runtime.sim import Simulation, SimulationError
 
-    for flag in ("stages", "churn"):
-        if getattr(args, flag):
-            print(f"lowcomm: --{flag} is not available in this version (see the README's roadmap)", file=sys.stderr)
-            return 2
+    if args.stages:
+        print("lowcomm: --stages is not available in this version (see the README's roadmap)", file=sys.stderr)
+        return 2
     if args.netns:
         print("lowcomm: --netns is not available in this version (see the README's roadmap)", file=sys.stderr)
         return 2
     config = load_config(args.config).override({"run.algo": args.algo, "run.steps": args.steps,
                                                 "run.seed": args.seed, "diloco.inner_steps": args.inner_steps,
-                                                "diloco.codec": args.codec, "link.default": args.link})
+                                                "diloco.codec": args.codec, "link.default": args.link,
+                                                "churn.spec": args.churn})
     run_dir = args.run_dir or args.report.with_suffix("").with_name(args.report.stem + "-run")
     links = sorted({config.link.spec_for(i) or "unshaped" for i in range(args.peers)})
+    churn = f", churn {parse_churn(config.churn.spec)}" if parse_churn(config.churn.spec) else ""
     print(f"simulating {args.peers} peers, algo {config.run.algo}, {config.run.steps} steps each, "
-          f"links {', '.join(links)}; records in {run_dir}", file=sys.stderr)
+          f"links {', '.join(links)}{churn}; records in {run_dir}", file=sys.stderr)
     try:
         report = Simulation(config, args.peers, run_dir).run()
     except SimulationError as e:

@@ -2,8 +2,9 @@
 
 The embedded default (`lowcomm/configs/default.toml`) is the reference setup of BENCHMARKS.md.
 A run config is hashed (sha256 of its canonical JSON) so checkpoints and peers can tell whether
-they belong to the same run. The [link] section describes the emulated network, not the training
-run, so it is left out of the hash: the same run may be replayed under other links.
+they belong to the same run. The [link] and [churn] sections describe the emulated network and
+its failures, not the training run, so they are left out of the hash: the same run may be
+replayed under other links and other churn.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from lowcomm.runtime.churn import parse_churn
 from lowcomm.transport.shaper import parse_link_option
 
 
-UNHASHED_SECTIONS = ("link",)  # the emulated network: not part of what makes two runs the same
+UNHASHED_SECTIONS = ("link", "churn")  # the emulated network: not part of what makes two runs the same
 
 
 class ConfigError(ValueError):
@@ -117,6 +119,17 @@ class LinkConfig:
 
 
 @dataclass
+class ChurnConfig:
+    """Injected churn for `simulate` (runtime.churn); `simulate --churn` overrides it.
+
+        [churn]
+        spec = "kill:1@r3,leave:1@r4,join:2@t30s"   # or a rate: "0.25/round"; "" = none
+    """
+
+    spec: str = ""
+
+
+@dataclass
 class RunConfig:
     run: RunSection = field(default_factory=RunSection)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -127,6 +140,7 @@ class RunConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     link: LinkConfig = field(default_factory=LinkConfig)
+    churn: ChurnConfig = field(default_factory=ChurnConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -135,7 +149,7 @@ class RunConfig:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
 
     def config_hash(self) -> str:
-        """Identifies the training run: every section but [link] (the emulated network)."""
+        """Identifies the training run: every section but [link] and [churn] (the emulated network)."""
         training = {k: v for k, v in self.to_dict().items() if k not in UNHASHED_SECTIONS}
         text = json.dumps(training, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -185,6 +199,10 @@ class RunConfig:
             if value < 1:
                 raise ConfigError(f"{name} must be >= 1 (got {value})")
         self._validate_links()
+        try:
+            parse_churn(self.churn.spec)
+        except ValueError as e:
+            raise ConfigError(f"churn.spec = {self.churn.spec!r}: {e}") from None
 
     def _validate_links(self) -> None:
         specs = {"link.default": self.link.default}

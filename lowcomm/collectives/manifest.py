@@ -63,8 +63,10 @@ class Manifest:
 class ManifestAgreement:
     """Agrees with the other peers on who takes part in a round."""
 
-    def __init__(self, control: ControlPlane, sync: SyncConfig, endpoint: str, client_mode: bool = False):
+    def __init__(self, control: ControlPlane, sync: SyncConfig, endpoint: str, client_mode: bool = False,
+                 on_event=None):
         self.control = control
+        self.on_event = on_event or (lambda kind, **fields: None)
         self.sync = sync
         self.endpoint = endpoint
         self.client_mode = client_mode
@@ -99,6 +101,9 @@ class ManifestAgreement:
             due = {p for p, rec in self.control.live_peers().items()
                    if rec.state in ("training", "joining") and rec.round <= round_ and p not in suspects}
             if (due | {self.me}) <= set(announcers) or time.monotonic() >= deadline:
+                missing = due - set(announcers) - {self.me}
+                if missing:  # a live record that never announced (dead, or late): the round goes on without it
+                    self.on_event("timeout", round=round_, stage="announce", missing=sorted(missing))
                 announcers.setdefault(self.me, {"endpoint": self.endpoint, "client_mode": self.client_mode})
                 return announcers
             time.sleep(POLL_S)

@@ -112,6 +112,7 @@ class ShardedReduce:
                 sends[j] = self._pool.submit(self._send, manifest, key, round_, j, codec.encode(part), weight,
                                              bounds[j][1] - bounds[j][0], deadline)
         replies: dict[int, ShardReply] = {}
+        timed_out = set()
         if my_shard is not None:
             blob, contributors = slot.result()
             numel = bounds[my_shard][1] - bounds[my_shard][0]
@@ -120,6 +121,7 @@ class ShardedReduce:
             try:
                 replies[j] = future.result(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
             except Exception as e:  # a dead, slow or misbehaving owner: a hole to fill
+                timed_out.add(manifest.owners[j])
                 self.on_event("timeout", round=round_, owner=manifest.owners[j], error=str(e)[:200])
         for j, reply in replies.items():
             self.slots.hold(key.group, round_, j, reply.blob, reply.contributors)
@@ -145,6 +147,8 @@ class ShardedReduce:
         contributors = sorted(set.intersection(*kept))
         absent = (set(manifest.members) - set(contributors)) | {manifest.owners[j] for j in lost}
         if absent:  # the exclusion every member reads from the same owner replies
+            if absent - timed_out:
+                self.on_event("timeout", round=round_, stage="reduce", excluded=sorted(absent - timed_out))
             self._suspects[key.group] = frozenset(absent)
             self.end_epoch(key)
         elif manifest.round + manifest.epoch_rounds - 1 == round_:

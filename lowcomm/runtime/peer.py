@@ -90,11 +90,13 @@ class Peer:
         device = pick_device(o.device)
         shard = o.data_shard if o.data_shard is not None else int(self.me, 16) % o.num_shards
         self.trainer = LocalTrainer(self.config, shard, o.num_shards, device)
-        self.record = PeerRecord(self.me, self.endpoint, "joining", device.type, client_mode=self.client_mode)
+        # a parked peer is connected but not in the run yet: no round waits for it
+        state = "parked" if o.start_file is not None else "joining"
+        self.record = PeerRecord(self.me, self.endpoint, state, device.type, client_mode=self.client_mode)
         algo = self.config.run.algo
         epoch_rounds = self.config.ddp.epoch_steps if algo == "ddp" else 1
         codec = "fp32" if algo == "ddp" else self.config.diloco.codec
-        agreement = ManifestAgreement(self.control, sync, self.endpoint, self.client_mode)
+        agreement = ManifestAgreement(self.control, sync, self.endpoint, self.client_mode, on_event=self.log.event)
         self.collective = ShardedReduce(self.me, self.service, self.channels, self.traffic, agreement, sync, codec,
                                         epoch_rounds, on_event=self.log.event)
         self.collective.before_send = self._fault_hook
@@ -105,7 +107,7 @@ class Peer:
             self.algo = DiLoCo(self.trainer.model, self.config.diloco, self.collective, self.key)
         self.rounds_per_sync = 1 if algo == "ddp" else self.config.diloco.inner_steps
         self.log.event("start", endpoint=self.endpoint, client_mode=self.client_mode, algo=algo,
-                       device=device.type, config_hash=self.config.config_hash(),
+                       device=device.type, config_hash=self.config.config_hash(), data_shard=shard,
                        link=str(o.link) if o.link is not None else None)
 
     def _reachable(self) -> bool:
@@ -202,6 +204,8 @@ class Peer:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"start barrier {self.options.start_file} never appeared")
             self.stop_requested.wait(0.05)
+        self.record.state = "joining"
+        self._publish_record()  # at once: the first round waits for every peer whose record is due
 
     def _publish_snapshot(self) -> None:
         snapshot = encode_state(self.algo.state_tensors(), self.round, self.tokens_global,
@@ -241,6 +245,8 @@ class Peer:
             self._connect()
             self._start_heartbeat()
             self._wait_start_barrier()
+            if self.stop_requested.is_set():
+                return 0  # sent away while parked: never joined
             if not self._fetch_state():
                 self._publish_snapshot()
             self.record.state = "training"

@@ -4,6 +4,8 @@ Every process runs in its own process group with one torch thread; on every exit
 launcher kills each group (so a DHT helper or p2pd never outlives its peer) and checks that
 nothing is left. Progress comes from the peers' JSONL records; the report is built from them.
 Each peer gets its emulated link from the config's [link] section as its own `--link` flag.
+With a churn plan (runtime.churn), joiners are started ahead and parked, and the wait loop applies
+the plan's kills, leaves and joins as the swarm's rounds advance.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from tqdm import tqdm
 
 from lowcomm.config import RunConfig
 from lowcomm.models.gpt import GPT
+from lowcomm.runtime.churn import ChurnExecutor, ChurnPlan, parse_churn
 from lowcomm.runtime.report import build_report
 from lowcomm.runtime.runlog import read_records
 
@@ -43,6 +46,8 @@ class Process:
     name: str
     popen: subprocess.Popen
     log_path: Path
+    index: int | None = None  # simulate's peer index (its data shard); None for the coordinator
+    start_file: Path | None = None  # the barrier a parked peer waits at
 
     @property
     def pgid(self) -> int:
@@ -100,16 +105,18 @@ class Simulation:
     peer_faults: dict[int, str] = field(default_factory=dict)  # test hooks, by peer index
     progress: bool = True
     timeout_s: float | None = None
+    churn: ChurnPlan | None = None  # None: the config's [churn] spec
     processes: list[Process] = field(default_factory=list)
 
     def start_coordinator(self, resume: Path | None = None) -> dict:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        records = self.run_dir / "peers"
-        if records.exists() and any(records.iterdir()):
-            # A reused run dir: keep the old records, but out of this run's report.
-            kept = self.run_dir / f"peers.before-{int(time.time())}"
-            records.rename(kept)
-            logger.warning("%s held records of an earlier run; moved them to %s", records, kept)
+        for folder in ("peers", "launcher"):
+            records = self.run_dir / folder
+            if records.exists() and any(records.iterdir()):
+                # A reused run dir: keep the old records, but out of this run's report.
+                kept = self.run_dir / f"{folder}.before-{int(time.time())}"
+                records.rename(kept)
+                logger.warning("%s held records of an earlier run; moved them to %s", records, kept)
         config_path = self.run_dir / "run.json"
         config_path.write_text(json.dumps(self.config.to_dict(), indent=1))
         ready = self.run_dir / "coordinator.json"
@@ -129,35 +136,56 @@ class Simulation:
 
     def release(self, peers: list[Process], timeout: float = 300) -> None:
         """Waits until every parked peer is connected and ready, then lets them all start training."""
+        self.wait_ready(peers, timeout)
+        self.start_file.touch()
+
+    def wait_ready(self, peers: list[Process], timeout: float = 300) -> None:
+        """Waits until every one of `peers` is connected and parked at its start barrier."""
         deadline = time.monotonic() + timeout
         while True:
-            ready = {r["peer"] for r in self.records() if r["type"] == "event" and r.get("kind") == "ready"}
-            if len(ready) >= len(peers):
-                break
+            records = self.records()
+            ids, ready = self.peer_ids(records), self.ready_ids(records)
+            if all(ids.get(p.index) in ready for p in peers):
+                return
             dead = [p.name for p in peers if p.popen.poll() is not None]
             if dead or time.monotonic() > deadline:
                 raise SimulationError(f"peers {dead or 'some'} never became ready; see {self.run_dir / 'logs'}")
             time.sleep(0.1)
-        self.start_file.touch()
 
-    def start_peer(self, index: int, fault: str | None = None, park: bool = True) -> Process:
+    @staticmethod
+    def peer_ids(records: list[dict]) -> dict[int, str]:
+        """Peer ids by simulate index, from each peer's start event (it names its data shard)."""
+        return {r["data_shard"]: r["peer"] for r in records
+                if r["type"] == "event" and r.get("kind") == "start" and "data_shard" in r}
+
+    @staticmethod
+    def ready_ids(records: list[dict]) -> set[str]:
+        return {r["peer"] for r in records if r["type"] == "event" and r.get("kind") == "ready"}
+
+    def start_peer(self, index: int, fault: str | None = None, park: bool = True,
+                   start_file: Path | None = None) -> Process:
+        """Peer `index` (also its data shard); parked peers wait at `start_file` (default: the shared one)."""
         args = ["peer", "join", "--coordinator", self.info["maddrs"][0], "--run-key", self.info["run_key"],
                 "--run", self.info["run"], "--host", self.host, "--data-shard", str(index),
                 "--num-shards", str(max(self.peers, index + 1)), "--run-dir", str(self.run_dir), "--device", "cpu"]
-        if park:
-            args += ["--start-file", str(self.start_file)]
+        start_file = (start_file or self.start_file) if park else None
+        if start_file is not None:
+            args += ["--start-file", str(start_file)]
         if fault or self.peer_faults.get(index):
             args += ["--fault", fault or self.peer_faults[index]]
         if self.config.link.spec_for(index):
             args += ["--link", self.config.link.spec_for(index)]
         process = spawn(f"peer-{index}", args, self.run_dir)
+        process.index, process.start_file = index, start_file
         self.processes.append(process)
         return process
 
     def records(self) -> list[dict]:
-        return read_records(self.run_dir / "peers")
+        """The peers' records and the launcher's own (churn events)."""
+        return read_records(self.run_dir / "peers") + read_records(self.run_dir / "launcher")
 
-    def wait_peers(self, peers: list[Process], timeout: float) -> None:
+    def wait_peers(self, peers: list[Process], timeout: float, churn: ChurnExecutor | None = None) -> None:
+        """Waits until every one of `peers` has exited; `churn` may append joiners to `peers` meanwhile."""
         total = self.config.run.steps * self.peers
         bar = tqdm(total=total, unit="step", desc=f"{self.config.run.algo} x{self.peers}", disable=not self.progress,
                    file=sys.stderr)
@@ -166,9 +194,13 @@ class Simulation:
             while any(p.popen.poll() is None for p in peers):
                 if time.monotonic() > deadline:
                     raise SimulationError(f"peers still running after {timeout:.0f}s; see {self.run_dir / 'logs'}")
-                done = sum(r.get("steps", 0) for r in _last_compute(self.records()).values())
-                bar.update(max(0, min(done, total) - bar.n))
-                time.sleep(1.0)
+                records = self.records()
+                if churn is not None:
+                    churn.poll(records)
+                done = sum(r.get("steps", 0) for r in _last_compute(records).values())
+                if min(done, total) > bar.n:
+                    bar.update(min(done, total) - bar.n)
+                time.sleep(0.2 if churn is not None else 1.0)
             bar.update(max(0, total - bar.n))
         finally:
             bar.close()
@@ -197,22 +229,43 @@ class Simulation:
                 survivors.append(p.name)
         return survivors
 
+    def churn_executor(self) -> ChurnExecutor | None:
+        plan = self.churn if self.churn is not None else parse_churn(self.config.churn.spec)
+        if plan is None:
+            return None
+        algo = self.config.run.algo
+        steps_per_round = 1 if algo == "ddp" else self.config.diloco.inner_steps
+        return ChurnExecutor(plan, self, seed=self.config.run.seed,
+                             total_rounds=self.config.run.steps // steps_per_round,
+                             epoch_rounds=self.config.ddp.epoch_steps if algo == "ddp" else 1)
+
     def run(self) -> dict:
         started = time.time()
+        churn = None
         try:
             self.start_coordinator()
+            churn = self.churn_executor()
             self.start_file.unlink(missing_ok=True)
             peers = [self.start_peer(i) for i in range(self.peers)]
+            if churn is not None:
+                self.wait_ready(churn.start_spares())  # joiners wait parked, fully started, until their turn
             self.release(peers)
+            if churn is not None:
+                churn.begin(peers)
             timeout = self.timeout_s or max(600.0, self.config.run.steps * self.peers * 1.0)
-            self.wait_peers(peers, timeout)
-            failed = [p.name for p in peers if p.popen.returncode != 0]
+            self.wait_peers(peers, timeout, churn)
+            removed = churn.removed if churn is not None else {}
+            failed = [p.name for p in peers if p.popen.returncode != 0 and removed.get(p.name) != "kill"]
         finally:
+            if churn is not None:
+                churn.close(self.records())
             survivors = self.stop_all()
         if survivors:
             raise SimulationError(f"processes of {survivors} survived SIGKILL of their group")
         report = self.report(started)
         report["failed_peers"] = failed
+        if churn is not None:
+            report["churn"] = churn.summary()
         return report
 
     def report(self, started: float) -> dict:

@@ -33,7 +33,7 @@ class PeerRecord:
 
     peer_id: str
     endpoint: str
-    state: str = "joining"  # joining | training | leaving
+    state: str = "joining"  # parked (simulate: started, not yet in the run) | joining | training | leaving
     device: str = "cpu"
     throughput: float = 0.0  # tokens per second of compute, measured
     round: int = 0  # rounds of global state this peer holds

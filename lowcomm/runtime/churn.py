@@ -1,0 +1,284 @@
+"""Churn for `simulate --churn SPEC`: the spec's parser and the launcher-side executor.
+
+A spec is a schedule or a rate:
+
+    kill:1@r3,leave:1@r4,join:2@t30s   at swarm round R (`rR`) or T seconds after training started
+                                       (`tTs`): kill -9 of N live peers' whole process groups,
+                                       graceful leave of N peers (SIGTERM), or N new joiners
+    0.25/round                         each round, round(F x live peers) (at least 1) peers killed
+                                       and as many new joiners released
+
+The swarm is at round R once some peer has finished R rounds (read from the peers' JSONL round
+records, never from the DHT). For ddp, whose rounds are single steps, the rate applies once per
+membership epoch (`ddp.epoch_steps`), and only while a joiner can still enter a round. Victims
+are drawn by one RNG seeded with run.seed, in event order, from the swarm's members (the first
+peers, and joiners once they hold the global state) in index order, so a spec and a seed name the
+same victims. At least one member is always kept: joiners download the global state from one.
+
+Joiners are started ahead and parked at their own start file, so a join measures lowcomm, not
+Python's start-up; the rate form keeps a pool of parked joiners ahead of need, and a join is
+released only to a parked, ready joiner (owed until one is). A join is skipped when the run ends
+before the joiner could enter a round. Every action is written as an event (`kill`, `leave`,
+`join`, `skip`, with `by: "churn"`) to launcher/churn.jsonl in the run folder, which the report
+reads beside the peers' records.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from lowcomm.runtime.runlog import RunLog
+
+if TYPE_CHECKING:
+    from lowcomm.runtime.sim import Process, Simulation
+
+logger = logging.getLogger(__name__)
+ACTIONS = ("kill", "leave", "join")
+ACCEPTED_FORMS = ("a schedule of ACTION:N@rROUND or ACTION:N@tSECONDSs, comma-separated, ACTION one of "
+                  "kill, leave, join (e.g. 'kill:1@r3,leave:1@r4,join:2@t30s'), or a rate F/round with "
+                  "0 < F <= 1 (e.g. '0.25/round'), or 'none'")
+_ACTION = re.compile(r"^(?P<action>[a-z]+):(?P<count>\d+)@(?:r(?P<round>\d+)|t(?P<seconds>\d+(?:\.\d+)?)s)$")
+_RATE = re.compile(r"^(?P<fraction>\d*\.?\d+)/rounds?$")
+
+
+class ChurnSpecError(ValueError):
+    """A --churn spec (or [churn] spec) does not parse; the message lists the accepted forms."""
+
+
+@dataclass(frozen=True)
+class ChurnAction:
+    action: str  # kill | leave | join
+    count: int
+    round: int | None = None  # fires once the swarm reaches this round ...
+    seconds: float | None = None  # ... or this many seconds after training started
+
+    def due(self, swarm_round: int, elapsed_s: float) -> bool:
+        if self.round is not None:
+            return swarm_round >= self.round
+        return elapsed_s >= self.seconds
+
+    def __str__(self) -> str:
+        at = f"r{self.round}" if self.round is not None else f"t{self.seconds:g}s"
+        return f"{self.action}:{self.count}@{at}"
+
+
+@dataclass(frozen=True)
+class ChurnPlan:
+    actions: tuple[ChurnAction, ...] = ()
+    rate: float | None = None  # fraction of live peers replaced each round
+
+    @property
+    def scheduled_joiners(self) -> int:
+        return sum(a.count for a in self.actions if a.action == "join")
+
+    def __str__(self) -> str:
+        return f"{self.rate:g}/round" if self.rate is not None else ",".join(map(str, self.actions))
+
+
+def parse_churn(spec: str | None) -> ChurnPlan | None:
+    """The plan a spec describes; None for no churn ("", "none", "off")."""
+    text = (spec or "").strip().lower()
+    if text in ("", "none", "off"):
+        return None
+    rate = _RATE.match(text)
+    if rate:
+        fraction = float(rate["fraction"])
+        if not 0 < fraction <= 1:
+            raise ChurnSpecError(f"churn rate {fraction:g}/round is outside (0, 1]; use {ACCEPTED_FORMS}")
+        return ChurnPlan(rate=fraction)
+    actions = []
+    for part in text.split(","):
+        match = _ACTION.match(part.strip())
+        if not match:
+            raise ChurnSpecError(f"cannot read {part.strip()!r} in churn spec {spec!r}; use {ACCEPTED_FORMS}")
+        if match["action"] not in ACTIONS:
+            raise ChurnSpecError(f"unknown churn action {match['action']!r} in {part.strip()!r}; use {ACCEPTED_FORMS}")
+        if int(match["count"]) < 1:
+            raise ChurnSpecError(f"{part.strip()!r}: the count of peers must be at least 1; use {ACCEPTED_FORMS}")
+        actions.append(ChurnAction(match["action"], int(match["count"]),
+                                   int(match["round"]) if match["round"] is not None else None,
+                                   float(match["seconds"]) if match["seconds"] is not None else None))
+    return ChurnPlan(actions=tuple(actions))
+
+
+def rate_count(rate: float, live: int) -> int:
+    """How many of `live` peers one round of the rate form replaces: round(F x live), at least 1."""
+    return max(1, round(rate * live))
+
+
+def choose_victims(rng: random.Random, live: list[str], count: int) -> list[str]:
+    """`count` of the `live` names, listed in index order (at least one is always kept), drawn by `rng`."""
+    return rng.sample(list(live), max(0, min(count, len(live) - 1)))
+
+
+def swarm_round(records: list[dict]) -> int:
+    """The round the swarm is in: rounds finished by the most advanced peer."""
+    return max((r["round"] + 1 for r in records if r["type"] == "round"), default=0)
+
+
+class ChurnExecutor:
+    """Applies a plan to a running Simulation, called from its wait loop (no thread of its own).
+
+    `begin(running)` takes the list of processes the wait loop waits on and appends released
+    joiners to it; kills and leaves take effect at once (the wait loop sees those processes end).
+    Victims are drawn from the swarm's members: the first peers, and joiners once they hold the
+    global state (a joiner still starting or downloading is not one yet). A join whose joiner is not
+    parked and ready yet is owed and released as soon as one is.
+    """
+
+    def __init__(self, plan: ChurnPlan, sim: "Simulation", seed: int, total_rounds: int, epoch_rounds: int = 1,
+                 clock: Callable[[], float] = time.monotonic):
+        self.plan, self.sim, self.clock = plan, sim, clock
+        self.total_rounds, self.epoch_rounds = total_rounds, epoch_rounds
+        self.rng = random.Random(seed)
+        self.pending = list(plan.actions)
+        self.owed: list[tuple[int, str]] = []  # joins due but not released yet: (round due, what asked)
+        self.spares: list[Process] = []  # started and parked, not released yet
+        self.live: list[Process] = []  # released, neither killed nor sent away
+        self.running: list[Process] = []
+        self.removed: dict[str, str] = {}  # process name -> "kill" | "leave"
+        self.next_index = sim.peers
+        self.rate_rounds: set[int] = set()
+        self.log = RunLog(Path(sim.run_dir) / "launcher" / "churn.jsonl", "launcher")
+        self.started_at: float | None = None
+
+    # ---- the pool of parked joiners ----------------------------------------------------------
+
+    @property
+    def pool_size(self) -> int:
+        """Joiners to keep started: every join still to come (schedule), or two rounds' worth (rate)."""
+        if self.plan.rate is not None:
+            ahead = 2 * rate_count(self.plan.rate, self.sim.peers)  # a round's joiners and the next round's
+        else:
+            ahead = sum(a.count for a in self.pending if a.action == "join")
+        return ahead + len(self.owed)
+
+    def start_spares(self) -> list["Process"]:
+        """Starts parked joiners until the pool is full (replacing any that died); returns the new ones."""
+        self.spares = [p for p in self.spares if p.popen.poll() is None]
+        new = []
+        while len(self.spares) < self.pool_size:
+            index = self.next_index
+            self.next_index += 1
+            start_file = Path(self.sim.run_dir) / f"start-{index}"
+            start_file.unlink(missing_ok=True)
+            process = self.sim.start_peer(index, park=True, start_file=start_file)
+            self.spares.append(process)
+            new.append(process)
+        return new
+
+    def begin(self, running: list["Process"]) -> None:
+        self.running = running
+        self.live = list(running)
+        self.started_at = self.clock()
+
+    # ---- during training ---------------------------------------------------------------------
+
+    def poll(self, records: list[dict]) -> None:
+        round_ = swarm_round(records)
+        elapsed = self.clock() - self.started_at
+        due = [a for a in self.pending if a.due(round_, elapsed)]
+        self.pending = [a for a in self.pending if a not in due]
+        for action in due:
+            if action.action == "join":
+                self._owe(action.count, round_, str(action))
+            else:
+                self._remove(action.action, action.count, round_, records, str(action))
+        if self.plan.rate is not None and round_ >= 1 and round_ % self.epoch_rounds == 0 \
+                and round_ not in self.rate_rounds:
+            self.rate_rounds.add(round_)
+            if self._joinable(round_):
+                count = rate_count(self.plan.rate, len(self._members(records)))
+                self._owe(self._remove("kill", count, round_, records, str(self.plan)), round_, str(self.plan))
+        self._release_owed(round_, records)
+        self.start_spares()
+
+    def _members(self, records: list[dict]) -> list["Process"]:
+        """Released peers still running that are in the swarm, in index order (victims are drawn from these)."""
+        self.live = sorted((p for p in self.live if p.popen.poll() is None), key=lambda p: p.index)
+        ids = self.sim.peer_ids(records)
+        joined = {r["peer"] for r in records
+                  if r["type"] == "round" or (r["type"] == "event" and r.get("kind") == "state_received")}
+        return [p for p in self.live if p.index < self.sim.peers or ids.get(p.index) in joined]
+
+    def _joinable(self, round_: int) -> bool:
+        """Whether a joiner released now can still enter a round before the run ends."""
+        boundary = (round_ // self.epoch_rounds + 1) * self.epoch_rounds
+        return boundary < self.total_rounds
+
+    def _owe(self, count: int, round_: int, at: str) -> None:
+        if count and not self._joinable(round_):
+            self._event("skip", action="join", count=count, round=round_, at=at,
+                        reason="the run ends before a joiner could enter a round")
+            return
+        self.owed += [(round_, at)] * count
+
+    def _release_owed(self, round_: int, records: list[dict]) -> None:
+        """Releases owed joins to parked, ready joiners while a joiner can still enter a round."""
+        if self.owed and not self._joinable(round_):
+            for due_round, at in self.owed:
+                self._event("skip", action="join", count=1, round=round_, at=at, due_round=due_round,
+                            reason="no parked joiner was ready before the run's last round")
+            self.owed = []
+            return
+        ids, ready = self.sim.peer_ids(records), self.sim.ready_ids(records)
+        for process in [p for p in self.spares if ids.get(p.index) in ready and p.popen.poll() is None]:
+            if not self.owed:
+                return
+            due_round, at = self.owed.pop(0)
+            self.spares.remove(process)
+            self.running.append(process)  # the wait loop waits on it from now on
+            self.live.append(process)
+            process.start_file.touch()
+            self._event("join", peer=ids[process.index], name=process.name, round=round_, at=at,
+                        due_round=due_round)
+
+    def _remove(self, action: str, count: int, round_: int, records: list[dict], at: str) -> int:
+        """Kills (or sends away) `count` seeded victims among the swarm's members; returns how many."""
+        members = self._members(records)
+        victims = set(choose_victims(self.rng, [p.name for p in members], count))
+        if len(victims) < count:
+            self._event("skip", action=action, count=count - len(victims), round=round_, at=at,
+                        reason=f"only {len(members)} peers in the swarm; at least one is kept")
+        ids = self.sim.peer_ids(records)
+        for process in [p for p in members if p.name in victims]:
+            if action == "kill":
+                process.kill_group(signal.SIGKILL)
+            else:  # only the peer itself: its handler expires its records and stops its DHT daemons
+                process.popen.send_signal(signal.SIGTERM)
+            self.live.remove(process)
+            self.removed[process.name] = action
+            self._event(action, peer=ids.get(process.index), name=process.name, round=round_, at=at)
+        return len(victims)
+
+    # ---- after training ----------------------------------------------------------------------
+
+    def close(self, records: list[dict]) -> None:
+        """Logs what never fired and ends the joiners that were never released."""
+        round_ = swarm_round(records)
+        for action in self.pending:
+            self._event("skip", action=action.action, count=action.count, round=round_, at=str(action),
+                        reason="the run ended first")
+        for due_round, at in self.owed:
+            self._event("skip", action="join", count=1, round=round_, at=at, due_round=due_round,
+                        reason="the run ended before a parked joiner was ready")
+        for process in self.spares:
+            process.kill_group(signal.SIGKILL)
+        self.log.close()
+
+    def summary(self) -> dict:
+        return {"spec": str(self.plan),
+                "killed": sorted(n for n, a in self.removed.items() if a == "kill"),
+                "left": sorted(n for n, a in self.removed.items() if a == "leave"),
+                "joined": sorted(p.name for p in self.running if p.index is not None and p.index >= self.sim.peers)}
+
+    def _event(self, kind: str, **fields) -> None:
+        logger.info("churn: %s %s", kind, fields)
+        self.log.event(kind, by="churn", **fields)
