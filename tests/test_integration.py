@@ -20,7 +20,8 @@ from lowcomm.runtime.checkpoint import load_checkpoint
 from lowcomm.runtime.sim import Simulation
 
 pytestmark = pytest.mark.integration
-H, ROUNDS, STALL_ROUND = 10, 10, 5
+H, ROUNDS, STALL_ROUND, LATE_ROUND = 10, 10, 5, 7
+FAULTS = {3: f"stall-sync@{STALL_ROUND}", 2: f"late-announce@{LATE_ROUND}"}
 
 
 def wait_until(predicate, timeout, what):
@@ -80,14 +81,15 @@ def send_hostile_messages(endpoint: str, member: str, round_: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def scenario(tmp_path_factory):
-    """4 parked peers (peer 3 stalls in round STALL_ROUND and is SIGKILLed), a joiner after round 3,
+    """4 parked peers (peer 3 stalls in round STALL_ROUND and is SIGKILLed, peer 2 announces round
+    LATE_ROUND too late), a joiner after round 3,
     hostile messages to peer 0; runs to the end and hands the records to the tests below."""
     run_dir = tmp_path_factory.mktemp("scenario")
     sim = Simulation(small_config(H * ROUNDS), 4, run_dir, progress=False)
     out = {"sim": sim}
     try:
         sim.start_coordinator()
-        peers = [sim.start_peer(i, fault=f"stall-sync@{STALL_ROUND}" if i == 3 else None) for i in range(4)]
+        peers = [sim.start_peer(i, fault=FAULTS.get(i)) for i in range(4)]
         sim.release(peers)
         wait_until(lambda: any(r["type"] == "round" and r["round"] >= 2 for r in sim.records()), 300, "round 2")
         first = events(sim.records(), "start")
@@ -136,17 +138,17 @@ def test_all_participants_hold_bit_identical_phi_after_every_round(scenario):
 
 def test_joiner_receives_global_state_and_contributes(scenario):
     records = scenario["records"]
-    starts = {r["peer"] for r in events(records, "start")}
-    received = [r for r in events(records, "state_received")]
+    joiner = [r["peer"] for r in events(records, "start") if r.get("data_shard") == 4]
+    assert len(joiner) == 1, "the joiner (peer index 4) has one start event"
+    joiner = joiner[0]
+    received = events(records, "state_received", joiner)  # not another peer's resync download
     assert received, "the joiner never received state"
-    joiner = received[-1]["peer"]
-    join_round = received[-1]["round"]
+    join_round = received[0]["round"]
     assert join_round >= 3
-    assert joiner in starts
     by_round = rounds_of(records)
     # its φ right after the download equals the φ every other peer published for that round
     others = {r["phi_hash"] for r in by_round[join_round - 1] if r["peer"] != joiner}
-    assert received[-1]["phi_hash"] in others
+    assert received[0]["phi_hash"] in others
     later = [rs for rnd, rs in by_round.items() if rnd >= join_round]
     assert later and all(joiner in rs[0]["contributors"] for rs in later)
 
@@ -160,6 +162,23 @@ def test_peer_killed_mid_sync_is_left_out_and_nothing_of_it_survives(scenario):
     assert all(victim not in rs[0]["participants"] for rnd, rs in by_round.items() if rnd > STALL_ROUND + 1)
     assert scenario["victim_gone"]
     assert scenario["leftovers"] == []
+
+
+def test_a_peer_left_out_of_a_round_applies_its_result_without_a_state_download(scenario):
+    records = scenario["records"]
+    late = events(records, "fault_late")
+    assert len(late) == 1
+    peer = late[0]["peer"]
+    assert [e["round"] for e in events(records, "caught_up", peer)] == [LATE_ROUND]
+    assert not [e for e in events(records, "resync", peer) if e["round"] == LATE_ROUND]
+    rounds = rounds_of(records)[LATE_ROUND]
+    own = [r for r in rounds if r["peer"] == peer]
+    assert len(own) == 1 and peer not in own[0]["contributors"] and peer not in own[0]["participants"]
+    assert len({r["phi_hash"] for r in rounds}) == 1  # the same φ as the members of the round
+    # It contributes again later (not necessarily in the very next round: catching up costs time,
+    # and on a loaded machine it can be late once more).
+    later = [r for rnd, rs in rounds_of(records).items() if rnd > LATE_ROUND for r in rs if r["peer"] == peer]
+    assert any(peer in r["contributors"] for r in later)
 
 
 def test_hostile_messages_get_errors_and_the_peer_keeps_training(scenario):

@@ -48,6 +48,12 @@ class DiLoCo:
         self.outer.zero_grad(set_to_none=True)
         self.load_phi_into_model()
 
+    def catch_up(self, round_: int, manifest) -> RoundResult:
+        """Apply the result of a round this replica was left out of (its own Δ is dropped)."""
+        result = self.collective.catch_up(self.key, round_, sum(p.numel() for p in self.phi), manifest)
+        self.apply(result)
+        return result
+
     def sync(self, round_: int, weight: float, timeout: float | None = None) -> RoundResult:
         result = self.start_sync(round_, weight).result(timeout)
         self.apply(result)

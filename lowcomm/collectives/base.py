@@ -22,7 +22,15 @@ class CollectiveError(RuntimeError):
 
 
 class NotInRound(CollectiveError):
-    """This peer is not a member of the round's manifest (it announced too late)."""
+    """This peer is not a member of the round's manifest (it announced too late).
+
+    ``manifest`` is the round's manifest when one was read: a late peer can fetch the round's
+    result from its members (``catch_up``) instead of downloading the whole state.
+    """
+
+    def __init__(self, message: str, manifest=None):
+        super().__init__(message)
+        self.manifest = manifest
 
 
 @dataclass(frozen=True)

@@ -129,6 +129,6 @@ class ManifestAgreement:
             if manifest.round != round_ or manifest.group != group:
                 continue
             if self.me not in manifest.members:
-                raise NotInRound(f"round {round_}: this peer is not in the manifest (announced too late)")
+                raise NotInRound(f"round {round_}: this peer is not in the manifest (announced too late)", manifest)
             return manifest
         raise CollectiveError(f"round {round_}: every manifest was malformed")

@@ -195,13 +195,43 @@ class ShardedReduce:
             raise CollectiveError(f"owner of shard {shard} replied with a bad aggregate: {e}") from None
         return ShardReply(values, list(first.contributors), blob)
 
-    def _fill_hole(self, manifest: Manifest, key: GroupKey, round_: int, shard: int, numel: int):
+    def catch_up(self, key: GroupKey, round_: int, numel: int, manifest: Manifest) -> RoundResult:
+        """The result of a round this peer was left out of, fetched from the members that hold it.
+
+        Every member keeps the round's encoded reduced shards (the bytes it applied), so a peer that
+        announced too late can apply exactly those bytes: it loses its own contribution for the
+        round but stays on the shared φ at the cost of one round's download instead of the state.
+        """
+        t0 = time.monotonic()
+        deadline = t0 + self.sync.reduce_timeout_s + 2 * self.sync.manifest_s
+        bounds = manifest.shard_bounds(numel)
+        replies: dict[int, ShardReply] = {}
+        while len(replies) < len(manifest.owners) and time.monotonic() < deadline:
+            for j in range(len(manifest.owners)):
+                if j not in replies:
+                    reply = self._fill_hole(manifest, key, round_, j, bounds[j][1] - bounds[j][0],
+                                            ask_owner=True, wait_s=min(5.0, max(0.0, deadline - time.monotonic())))
+                    if reply is not None:
+                        replies[j] = reply
+        missing = sorted(set(range(len(manifest.owners))) - set(replies))
+        if missing:
+            raise CollectiveError(f"round {round_}: catching up, no member returned shards {missing}")
+        for j, reply in replies.items():
+            self.slots.hold(key.group, round_, j, reply.blob, reply.contributors)
+        contributors = sorted(set.intersection(*(set(r.contributors) for r in replies.values())))
+        aggregate = torch.cat([replies[j].values for j in range(len(manifest.owners))])
+        return RoundResult(aggregate, contributors, list(manifest.members),
+                           {"manifest_s": 0.0, "reduce_s": time.monotonic() - t0, "leader": manifest.leader,
+                            "epoch": manifest.round, "caught_up": True})
+
+    def _fill_hole(self, manifest: Manifest, key: GroupKey, round_: int, shard: int, numel: int,
+                   ask_owner: bool = False, wait_s: float = 1.0):
         owner = manifest.owners[shard]
-        for member in manifest.members:
-            if member in (self.me, owner):
-                continue
-            request = wire_pb2.ShardRequest(run_id=key.run, group=key.group, round=round_, shard=shard, wait_s=1.0)
-            call_deadline = time.monotonic() + self.sync.manifest_s
+        askable = [owner] if ask_owner else []
+        askable += [m for m in manifest.members if m not in (self.me, owner)]
+        for member in askable:
+            request = wire_pb2.ShardRequest(run_id=key.run, group=key.group, round=round_, shard=shard, wait_s=wait_s)
+            call_deadline = time.monotonic() + self.sync.manifest_s + wait_s
             self.traffic.count_sent(request, call_deadline)
             try:
                 stub = self.channels.stub(manifest.endpoints[member])

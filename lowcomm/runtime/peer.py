@@ -24,7 +24,7 @@ import torch
 
 from lowcomm.algorithms.ddp import DataParallel
 from lowcomm.algorithms.diloco import DiLoCo
-from lowcomm.collectives.base import CollectiveError, GroupKey, NotInRound
+from lowcomm.collectives.base import CollectiveError, GroupKey, NotInRound, RoundResult
 from lowcomm.collectives.manifest import ManifestAgreement
 from lowcomm.collectives.sharded_reduce import ShardedReduce
 from lowcomm.proto import wire_pb2
@@ -54,7 +54,8 @@ class PeerOptions:
     data_shard: int | None = None
     num_shards: int = 64
     run_dir: Path | None = None
-    fault: str | None = None  # test hook: "stall-sync@R" blocks inside round R's reduce
+    fault: str | None = None  # test hooks: "stall-sync@R" blocks inside round R's reduce,
+    # "late-announce@R" announces round R only after its manifest was written without this peer
     start_file: Path | None = None  # simulate's start barrier: train once this file exists
     link: LinkSpec | None = None  # emulated access link for all data-plane traffic (None: unshaped)
 
@@ -150,7 +151,7 @@ class Peer:
     def _fetch_state(self, min_round: int | None = None) -> bool:
         """Downloads the global state from the peer with the newest round; False if there is none."""
         deadline = time.monotonic() + 600
-        first_look = time.monotonic()
+        empty_since = None
         while time.monotonic() < deadline and not self.stop_requested.is_set():
             everyone = self.control.live_peers()
             records = [r for p, r in everyone.items()
@@ -159,11 +160,15 @@ class Peer:
             if not records:
                 # A fresh DHT node may not see records yet: only call ourselves first once the
                 # coordinator's record is visible and two heartbeats passed without any trainer.
-                settled = time.monotonic() - first_look > 2 * self.config.sync.heartbeat_s
-                if any(r.state == "coordinator" for r in everyone.values()) and settled:
+                # A resync (min_round set) is mid-run: a record missing for a moment (a busy
+                # peer's late heartbeat) is no reason to give up, so it waits for the deadline.
+                empty_since = empty_since or time.monotonic()
+                settled = time.monotonic() - empty_since > 2 * self.config.sync.heartbeat_s
+                if min_round is None and any(r.state == "coordinator" for r in everyone.values()) and settled:
                     return False
                 time.sleep(0.2)
                 continue
+            empty_since = None
             if trainers and max(r.round for r in trainers) == 0 and not min_round:
                 return False  # the run is in its first round: start from the shared seeded φ_0 and join it
             if trainers:
@@ -211,6 +216,19 @@ class Peer:
         snapshot = encode_state(self.algo.state_tensors(), self.round, self.tokens_global,
                                 self.config.config_hash(), self.algo.phi_hash())
         self.holder.publish(snapshot)
+
+    def _catch_up(self, round_: int, late: NotInRound) -> RoundResult | None:
+        """A DiLoCo peer left out of a round applies the round's result from its members; else resync."""
+        if self.config.run.algo == "ddp" or late.manifest is None:
+            self._resync(f"round {round_}: {late}")
+            return None
+        try:
+            result = self.algo.catch_up(round_, late.manifest)
+        except (CollectiveError, TimeoutError) as e:
+            self._resync(f"round {round_}: {late}; catching up failed: {e}")
+            return None
+        self.log.event("caught_up", round=round_, contributors=len(result.contributors))
+        return result
 
     def _resync(self, reason: str) -> None:
         self.log.event("resync", round=self.round, reason=reason[:200])
@@ -292,12 +310,17 @@ class Peer:
                 self._drift_check(round_)
         elif not is_ddp and round_ > 0:
             self._drift_check(round_)
+        self._late_announce_hook(round_)
         bytes_before, t0 = self.traffic.sent, time.time()
         weight = self.trainer.tokens_per_step * (1 if is_ddp else self.rounds_per_sync)
         try:
             result = self.algo.sync(round_, weight, timeout=self.config.sync.reduce_timeout_s * 3
                                     + self.config.sync.announce_s + self.config.sync.manifest_s * 8)
-        except (NotInRound, CollectiveError, TimeoutError) as e:
+        except NotInRound as e:
+            result = self._catch_up(round_, e)
+            if result is None:
+                return False
+        except (CollectiveError, TimeoutError) as e:
             self._resync(f"round {round_}: {e}")
             return False
         self.round = round_ + 1
@@ -326,11 +349,23 @@ class Peer:
             self.log.write("eval", round=self.round, step=self.step, tokens=self.tokens_global, loss=loss,
                            final=final, phi_hash=self.algo.phi_hash())
 
-    def _fault_hook(self, round_: int) -> None:
+    def _fault_at(self, kind: str, round_: int) -> bool:
         fault = self.options.fault or ""
-        if fault.startswith("stall-sync@") and round_ == int(fault.split("@")[1]):
+        return fault.startswith(f"{kind}@") and round_ == int(fault.split("@")[1])
+
+    def _fault_hook(self, round_: int) -> None:
+        if self._fault_at("stall-sync", round_):
             self.log.event("fault_stall", round=round_)
             threading.Event().wait()  # the test kills this process group now
+
+    def _late_announce_hook(self, round_: int) -> None:
+        """Test hook "late-announce@R": announce round R only once its manifest exists without us."""
+        if not self._fault_at("late-announce", round_):
+            return
+        self.log.event("fault_late", round=round_)
+        deadline = time.monotonic() + 120
+        while not self.control.manifests(self.key.group, round_) and time.monotonic() < deadline:
+            self.stop_requested.wait(0.1)
 
     # ---- leave ------------------------------------------------------------------------------
 
