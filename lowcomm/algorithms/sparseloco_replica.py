@@ -1,0 +1,95 @@
+"""A SparseLoCo replica on a real collective: the peer-facing side of algorithms.sparseloco.
+
+Same surface as ``DiLoCo`` (start_sync / apply / sync / catch_up / state), so the peer loop runs
+either. Each round the replica folds Δ = φ − θ into its error-feedback residuals, encodes one
+payload per parameter (top-k + 2-bit values; 1-D tensors dense), and hands the list to a
+collective built with ``combiner(config, shapes)``: owners forward the contributors' payloads
+and every member applies the same clipped scatter-mean, φ ← φ − η_out · aggregate.
+
+The residuals are this replica's own memory: they are not part of the shared state (a joiner or
+a resynced peer starts with zero residuals), and a round this replica misses keeps what it
+subtracted for that round's unsent payload (small: the next rounds' payloads carry the rest).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from lowcomm.algorithms.sparseloco import SparseLoCoConfig, SparseLoCoState, compress_all, median_norm_clip
+from lowcomm.algorithms.state import tensors_hash
+from lowcomm.collectives.base import Collective, GroupKey, RoundResult
+from lowcomm.collectives.combiners import SparseBundle
+from lowcomm.compress import Codec, scatter_mean
+
+
+def combiner(config: SparseLoCoConfig, shapes: Sequence[tuple[int, ...]]) -> SparseBundle:
+    """The collective's combiner for SparseLoCo payloads of parameters with ``shapes``."""
+
+    def combine(contributions: list, shape: tuple[int, ...], codec: Codec) -> torch.Tensor:
+        if config.clip and contributions:
+            contributions = median_norm_clip(contributions)
+        return scatter_mean(contributions, shape)
+
+    return SparseBundle(shapes, config.codec_for, combine)
+
+
+class SparseLoCo:
+    def __init__(self, model: nn.Module, config: SparseLoCoConfig, collective: Collective, key: GroupKey):
+        self.model = model
+        self.config = config
+        self.collective = collective
+        self.key = key
+        self.names = [name for name, _ in model.named_parameters()]
+        self.phi = [p.detach().to("cpu", torch.float32).clone() for p in model.parameters()]
+        self.state = SparseLoCoState.zeros_like(self.phi)
+
+    def pseudo_gradients(self) -> list[torch.Tensor]:
+        """Δ = φ − θ per parameter, on the CPU in float32."""
+        return [phi - p.detach().to("cpu", torch.float32) for phi, p in zip(self.phi, self.model.parameters())]
+
+    def start_sync(self, round_: int, weight: float):
+        payloads = compress_all(self.state, self.pseudo_gradients(), self.config)
+        return self.collective.start(self.key, round_, payloads, weight)
+
+    @torch.no_grad()
+    def apply(self, result: RoundResult) -> None:
+        """φ ← φ − η_out · aggregate, then θ ← φ."""
+        offset = 0
+        for p in self.phi:
+            p.sub_(result.aggregate[offset:offset + p.numel()].reshape(p.shape), alpha=self.config.outer_lr)
+            offset += p.numel()
+        self.load_phi_into_model()
+
+    def sync(self, round_: int, weight: float, timeout: float | None = None) -> RoundResult:
+        result = self.start_sync(round_, weight).result(timeout)
+        self.apply(result)
+        return result
+
+    def catch_up(self, round_: int, manifest) -> RoundResult:
+        result = self.collective.catch_up(self.key, round_, sum(p.numel() for p in self.phi), manifest)
+        self.apply(result)
+        return result
+
+    def load_phi_into_model(self) -> None:
+        with torch.no_grad():
+            for p, phi in zip(self.model.parameters(), self.phi):
+                p.copy_(phi.to(p.device, p.dtype))
+
+    def phi_hash(self) -> str:
+        return tensors_hash(self.phi)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {f"phi.{name}": p for name, p in zip(self.names, self.phi)}
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, p in zip(self.names, self.phi):
+                p.copy_(tensors[f"phi.{name}"])
+        self.state = SparseLoCoState.zeros_like(self.phi)
+        self.load_phi_into_model()
+
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {f"phi.{name}": tuple(p.shape) for name, p in zip(self.names, self.phi)}

@@ -1,0 +1,202 @@
+"""What a shard owner does with the contributions it collects, and how members read its reply.
+
+The sharded reduce moves bytes; a combiner gives them meaning:
+
+- ``DenseMean`` (DiLoCo, ddp): each member sends its slice of the flat payload encoded with a
+  codec; the owner returns the token-weighted mean, encoded once.
+- ``SparseBundle`` (SparseLoCo; DESIGN.md "Sparse payloads"): a reduced sparse shard would cost
+  more than its inputs, so the owner only decides the contributor set and returns the
+  contributors' own encoded payloads (sorted by sender); every member combines them itself with
+  the algorithm's rule (SparseLoCo: clipped scatter-mean), in that fixed order, so all get
+  identical values. Shards follow parameter
+  boundaries because each parameter is encoded on its own (top-k chunks are per 2-D parameter).
+
+Both raise ``ContributionRejected`` on anything malformed.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Callable, Sequence
+
+import torch
+
+from lowcomm.collectives.reduce_owner import ContributionRejected, decode_contribution
+from lowcomm.compress import Codec, CodecError, SparseCodec, get_codec
+
+MAX_SENDER_BYTES = 64
+Contribution = tuple[torch.Tensor, torch.Tensor]  # (flat indices, values) of one sender
+
+
+class DenseMean:
+    """Token-weighted mean of dense slices, encoded with ``codec`` (the round's codec name)."""
+
+    def __init__(self, codec: str, zstd_level: int):
+        self.name = codec
+        self.zstd_level = zstd_level
+
+    def numel(self, payload: torch.Tensor) -> int:
+        return payload.numel()
+
+    def shard_bounds(self, owners: int, numel: int) -> list[tuple[int, int]]:
+        base, extra = divmod(numel, owners)
+        bounds, start = [], 0
+        for j in range(owners):
+            end = start + base + (1 if j < extra else 0)
+            bounds.append((start, end))
+            start = end
+        return bounds
+
+    def encode(self, payload: torch.Tensor, bounds: tuple[int, int]) -> bytes:
+        return get_codec(self.name, zstd_level=self.zstd_level).encode(payload[bounds[0]:bounds[1]])
+
+    def own(self, payload: torch.Tensor, bounds: tuple[int, int]):
+        return payload[bounds[0]:bounds[1]]
+
+    def accept(self, blob: bytes, bounds: tuple[int, int]) -> torch.Tensor:
+        return decode_contribution(blob, self.name, bounds[1] - bounds[0])
+
+    def close(self, items: dict[str, tuple[object, float]], bounds: tuple[int, int]) -> bytes:
+        if items:
+            total = sum(values.to(torch.float32) * weight for values, weight in items.values())
+            mean = total / sum(weight for _, weight in items.values())
+        else:  # nobody contributed, not even the owner: an empty round
+            mean = torch.zeros(bounds[1] - bounds[0])
+        return get_codec(self.name, zstd_level=self.zstd_level).encode(mean)
+
+    def finish(self, blob: bytes, bounds: tuple[int, int]) -> torch.Tensor:
+        return decode_contribution(blob, self.name, bounds[1] - bounds[0])
+
+    def max_reply_bytes(self, bounds: tuple[int, int], members: int) -> int:
+        return (bounds[1] - bounds[0]) * 4 + (64 << 10)
+
+
+class SparseBundle:
+    """Forward the contributors' per-parameter payloads; members combine them with ``combine``.
+
+    Payload passed to ``start``: one encoded blob per parameter, in parameter order. A shard is a
+    run of whole parameters; a member's part is ``u32 count | (u32 length | blob) × count``. The
+    owner's reply is ``u32 contributors | (u8 id length | id | u32 part length | part) × n``.
+    """
+
+    name = "sparse-bundle"
+
+    def __init__(self, shapes: Sequence[tuple[int, ...]], codec_for: Callable[[tuple[int, ...]], Codec],
+                 combine: Callable[[list[Contribution], tuple[int, ...], Codec], torch.Tensor]):
+        self.shapes = [tuple(s) for s in shapes]
+        self.sizes = [math.prod(s) for s in self.shapes]
+        self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes) + 1)]
+        self.codecs = [codec_for(s) for s in self.shapes]
+        self.combine = combine  # the algorithm's rule, e.g. SparseLoCo's clipped scatter-mean
+
+    def numel(self, payload: Sequence[bytes]) -> int:
+        if len(payload) != len(self.shapes):
+            raise ValueError(f"expected {len(self.shapes)} parameter payloads, got {len(payload)}")
+        return self.offsets[-1]
+
+    def shard_bounds(self, owners: int, numel: int) -> list[tuple[int, int]]:
+        """Parameter-aligned shards: parameter i goes to the owner its first element falls to."""
+        first = [min(owners - 1, self.offsets[i] * owners // max(numel, 1)) for i in range(len(self.shapes))]
+        bounds = []
+        for j in range(owners):
+            params = [i for i, owner in enumerate(first) if owner == j]
+            start = self.offsets[params[0]] if params else (bounds[-1][1] if bounds else 0)
+            end = self.offsets[params[-1] + 1] if params else start
+            bounds.append((start, end))
+        return bounds
+
+    def _params(self, bounds: tuple[int, int]) -> list[int]:
+        return [i for i in range(len(self.shapes)) if bounds[0] <= self.offsets[i] < bounds[1]]
+
+    def encode(self, payload: Sequence[bytes], bounds: tuple[int, int]) -> bytes:
+        params = self._params(bounds)
+        return struct.pack("<I", len(params)) + b"".join(struct.pack("<I", len(payload[i])) + payload[i]
+                                                         for i in params)
+
+    def own(self, payload: Sequence[bytes], bounds: tuple[int, int]):
+        part = self.encode(payload, bounds)
+        return self.accept(part, bounds)
+
+    def accept(self, blob: bytes, bounds: tuple[int, int]):
+        """Validates a member's part: (its bytes, its decoded (indices, values) per parameter)."""
+        params = self._params(bounds)
+        blobs = _split(memoryview(blob), "part")
+        if len(blobs) != len(params):
+            raise ContributionRejected(f"part holds {len(blobs)} parameter payloads, the shard has {len(params)}")
+        decoded = []
+        for i, piece in zip(params, blobs):
+            decoded.append(self._decode(i, bytes(piece)))
+        return bytes(blob), decoded
+
+    def _decode(self, i: int, blob: bytes) -> tuple[torch.Tensor, torch.Tensor]:
+        codec = self.codecs[i]
+        try:
+            if isinstance(codec, SparseCodec):
+                indices, values, shape = codec.decode_sparse(blob)
+            else:
+                dense = codec.decode(blob)
+                shape = tuple(dense.shape)
+                indices, values = torch.arange(dense.numel()), dense.reshape(-1)
+        except CodecError as e:
+            raise ContributionRejected(f"parameter {i}: undecodable payload: {e}") from None
+        if tuple(shape) != self.shapes[i]:
+            raise ContributionRejected(f"parameter {i}: shape {tuple(shape)}, expected {self.shapes[i]}")
+        if not bool(torch.isfinite(values).all()):
+            raise ContributionRejected(f"parameter {i}: NaN or Inf values")
+        return indices, values.to(torch.float32)
+
+    def close(self, items: dict[str, tuple[object, float]], bounds: tuple[int, int]) -> bytes:
+        out = [struct.pack("<I", len(items))]
+        for sender in sorted(items):
+            (part, _), _ = items[sender]
+            name = sender.encode()
+            out.append(struct.pack("<B", len(name)) + name + struct.pack("<I", len(part)) + part)
+        return b"".join(out)
+
+    def finish(self, blob: bytes, bounds: tuple[int, int]) -> torch.Tensor:
+        """The shard's aggregate: per parameter, the (clipped) scatter-mean of the contributors."""
+        view, parts = memoryview(blob), []
+        count, pos = _read_u32(view, 0, "bundle")
+        for _ in range(count):
+            if pos >= len(view):
+                raise ContributionRejected("bundle: truncated sender id")
+            size = view[pos]
+            if size > MAX_SENDER_BYTES or pos + 1 + size > len(view):
+                raise ContributionRejected("bundle: bad sender id")
+            pos += 1 + size
+            length, pos = _read_u32(view, pos, "bundle")
+            if pos + length > len(view):
+                raise ContributionRejected("bundle: truncated part")
+            parts.append(self.accept(bytes(view[pos:pos + length]), bounds)[1])
+            pos += length
+        if pos != len(view):
+            raise ContributionRejected("bundle: trailing bytes")
+        values = []
+        for k, i in enumerate(self._params(bounds)):
+            contributions = [part[k] for part in parts]
+            values.append(self.combine(contributions, self.shapes[i], self.codecs[i]).reshape(-1))
+        return torch.cat(values) if values else torch.zeros(0)
+
+    def max_reply_bytes(self, bounds: tuple[int, int], members: int) -> int:
+        return members * ((bounds[1] - bounds[0]) * 8 + (64 << 10))
+
+
+def _read_u32(view: memoryview, pos: int, field: str) -> tuple[int, int]:
+    if pos + 4 > len(view):
+        raise ContributionRejected(f"{field}: truncated length")
+    return struct.unpack_from("<I", view, pos)[0], pos + 4
+
+
+def _split(view: memoryview, field: str) -> list[memoryview]:
+    count, pos = _read_u32(view, 0, field)
+    pieces = []
+    for _ in range(count):
+        length, pos = _read_u32(view, pos, field)
+        if pos + length > len(view):
+            raise ContributionRejected(f"{field}: truncated payload")
+        pieces.append(view[pos:pos + length])
+        pos += length
+    if pos != len(view):
+        raise ContributionRejected(f"{field}: trailing bytes")
+    return pieces

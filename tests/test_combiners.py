@@ -1,0 +1,90 @@
+"""Unit tests for the owners' combiners: dense weighted mean and SparseLoCo's forwarded bundles."""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import pytest
+import torch
+
+from lowcomm.algorithms.sparseloco import SparseLoCoConfig, SparseLoCoState, compress_all, median_norm_clip
+from lowcomm.algorithms.sparseloco_replica import combiner as sparseloco_combiner
+from lowcomm.collectives.combiners import DenseMean
+from lowcomm.collectives.reduce_owner import ContributionRejected
+from lowcomm.compress import scatter_mean
+
+SHAPES = [(96, 100), (70,), (64, 128), (3, 4, 5)]
+
+
+def payloads(seed: int, config: SparseLoCoConfig) -> tuple[list[bytes], list[torch.Tensor]]:
+    torch.manual_seed(seed)
+    deltas = [torch.randn(s) * (seed + 1) for s in SHAPES]
+    state = SparseLoCoState.zeros_like(deltas)
+    return compress_all(state, deltas, config), deltas
+
+
+@pytest.mark.parametrize("owners", [1, 2, 3, 4, 7])
+def test_sparse_shards_follow_parameter_boundaries_and_cover_everything(owners):
+    bundle = sparseloco_combiner(SparseLoCoConfig(), SHAPES)
+    numel = sum(math.prod(s) for s in SHAPES)
+    bounds = bundle.shard_bounds(owners, numel)
+    assert len(bounds) == owners and bounds[0][0] == 0 and bounds[-1][1] == numel
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    starts = set(bundle.offsets)
+    assert all(start in starts and end in starts for start, end in bounds)
+
+
+def test_bundle_round_trip_equals_the_clipped_scatter_mean_of_every_sender():
+    config = SparseLoCoConfig(topk=8)
+    bundle = sparseloco_combiner(config, SHAPES)
+    numel = sum(math.prod(s) for s in SHAPES)
+    senders = {f"peer-{i}": payloads(i, config)[0] for i in range(3)}
+    expected = []
+    for i, shape in enumerate(SHAPES):
+        codec = config.codec_for(shape)
+        contributions = []
+        for name in sorted(senders):
+            blob = senders[name][i]
+            if hasattr(codec, "decode_sparse"):
+                indices, values, _ = codec.decode_sparse(blob)
+            else:
+                values = codec.decode(blob).reshape(-1)
+                indices = torch.arange(values.numel())
+            contributions.append((indices, values))
+        expected.append(scatter_mean(median_norm_clip(contributions), shape).reshape(-1))
+    got = []
+    for bounds in bundle.shard_bounds(2, numel):
+        items = {name: (bundle.accept(bundle.encode(p, bounds), bounds), 1.0) for name, p in senders.items()}
+        reply = bundle.close(items, bounds)
+        got.append(bundle.finish(reply, bounds))
+    assert torch.equal(torch.cat(got), torch.cat(expected))
+
+
+def test_bundle_rejects_malformed_parts_and_replies():
+    config = SparseLoCoConfig(topk=8)
+    bundle = sparseloco_combiner(config, SHAPES)
+    numel = sum(math.prod(s) for s in SHAPES)
+    bounds = bundle.shard_bounds(1, numel)[0]
+    part = bundle.encode(payloads(0, config)[0], bounds)
+    transposed = config.codec_for((100, 96)).encode(torch.randn(100, 96))
+    wrong_shape = bundle.encode([transposed, *payloads(0, config)[0][1:]], bounds)
+    nan_dense = config.codec_for((70,)).encode(torch.full((70,), float("nan")))
+    nan_values = bundle.encode([payloads(0, config)[0][0], nan_dense, *payloads(0, config)[0][2:]], bounds)
+    nan_part = bundle.encode([b"" for _ in SHAPES], bounds)
+    bad = [part[:-1], part + b"\0", struct.pack("<I", 99) + part[4:], wrong_shape, nan_values, nan_part, b""]
+    for blob in bad:
+        with pytest.raises(ContributionRejected):
+            bundle.accept(blob, bounds)
+    reply = bundle.close({"a": (bundle.accept(part, bounds), 1.0)}, bounds)
+    for blob in (reply[:-1], reply + b"x", struct.pack("<I", 2) + reply[4:], reply[:4] + bytes([200]) + reply[5:]):
+        with pytest.raises(ContributionRejected):
+            bundle.finish(blob, bounds)
+
+
+def test_dense_mean_weights_by_tokens():
+    mean = DenseMean("fp32", 0)
+    bounds = (0, 4)
+    items = {"a": (torch.tensor([1.0, 2, 3, 4]), 1.0), "b": (torch.tensor([5.0, 6, 7, 8]), 3.0)}
+    assert mean.finish(mean.close(items, bounds), bounds).tolist() == [4.0, 5.0, 6.0, 7.0]
+    assert mean.finish(mean.close({}, bounds), bounds).tolist() == [0.0] * 4
