@@ -160,6 +160,11 @@ def simulate(args) -> int:
     print(f"final held-out loss {report['final_loss']:.4f}, {report['tokens']} tokens, "
           f"{report['bytes_sent'] / 1e6:.2f} MB sent, wall {report['wall_s']:.1f}s, "
           f"compute utilization {report['compute_utilization'] or 0:.2f}; report in {args.report}")
+    try:
+        from lowcomm.runtime.plots import write_report_figures
+        print(f"figures and summary: {', '.join(map(str, write_report_figures(report, args.report)))}")
+    except Exception as e:  # the report is written: a plotting problem must not fail the run
+        logging.getLogger(__name__).warning("could not draw the report's figures: %s", e)
     return 1 if report.get("failed_peers") else 0
 
 
