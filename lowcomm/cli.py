@@ -18,6 +18,7 @@ def _add_coordinator(sub) -> None:
     start.add_argument("--config", type=Path, help="run config (TOML); defaults to the embedded default run")
     start.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
     start.add_argument("--port", type=int, default=0, help="DHT port (0 picks a free one)")
+    start.add_argument("--dht-host", help="address the DHT (p2pd) listens on (default: --host)")
     start.add_argument("--dashboard-port", type=int, default=None, help="reserved for the status page (not yet served)")
     start.add_argument("--run-dir", type=Path, default=Path("lowcomm-runs/coordinator"),
                        help="where the coordinator keeps its key and checkpoints")
@@ -35,6 +36,7 @@ def _add_peer(sub) -> None:
     join.add_argument("--config", type=Path, help="peer profile (TOML): reserved for per-peer settings")
     join.add_argument("--host", default="127.0.0.1", help="address the data plane listens on")
     join.add_argument("--port", type=int, default=0)
+    join.add_argument("--dht-host", help="address the DHT (p2pd) listens on (default: --host)")
     join.add_argument("--announce-addr", help="host:port other peers should dial (behind NAT or a proxy)")
     join.add_argument("--client-mode", action="store_true", default=None,
                       help="contribute without serving (for peers others cannot dial); detected if not given")
@@ -42,7 +44,8 @@ def _add_peer(sub) -> None:
     join.add_argument("--num-shards", type=int, default=64)
     join.add_argument("--run-dir", type=Path, help="where to append this peer's JSONL records")
     join.add_argument("--link", metavar="RATE[:LATENCY]",
-                      help="emulate this access link for all data-plane traffic, e.g. 20mbit:80ms (default: none)")
+                      help="emulate this access link for all data-plane traffic, e.g. 20mbit:80ms, or "
+                           "unlimited:80ms for latency only (default: none)")
     join.add_argument("--fault", help=argparse.SUPPRESS)
     join.add_argument("--start-file", type=Path, help=argparse.SUPPRESS)
 
@@ -65,7 +68,10 @@ def _add_simulate(sub) -> None:
                           help="inject churn: a schedule such as kill:1@r3,leave:1@r4,join:2@t30s (at round rN or "
                                "N seconds tNs) or a rate such as 0.25/round (overrides churn.spec; none disables)")
     simulate.add_argument("--stages", help=argparse.SUPPRESS)
-    simulate.add_argument("--netns", action="store_true", help=argparse.SUPPRESS)
+    simulate.add_argument("--netns", action="store_true", default=None,
+                          help="Linux, root: each process in its own network namespace; the RATE of --link "
+                               "becomes a kernel htb cap on every byte (DHT included), LATENCY stays in lowcomm's "
+                               "shaper; the report adds wire_bytes and control_bytes (overrides link.netns)")
 
 
 def _add_status(sub) -> None:
@@ -103,7 +109,7 @@ def coordinator_start(args) -> int:
     from lowcomm.runtime.coordinator import Coordinator
 
     coordinator = Coordinator(load_config(args.config), args.run_dir, args.host, args.port, args.resume,
-                              args.ready_file)
+                              args.ready_file, dht_host=args.dht_host)
     info = coordinator.start()
     print(f"coordinator of run {info['run']} is up (config {info['config_hash']}"
           + (f", resumed at round {info['resumed_round']}" if info["resumed_round"] is not None else "") + ")")
@@ -127,39 +133,44 @@ def peer_join(args) -> int:
     options = PeerOptions(coordinator=args.coordinator, run_key=args.run_key, run_name=args.run, host=args.host,
                           port=args.port, announce_addr=args.announce_addr, device=args.device,
                           client_mode=args.client_mode, data_shard=args.data_shard, num_shards=args.num_shards,
-                          run_dir=args.run_dir, fault=args.fault, start_file=args.start_file, link=link)
+                          run_dir=args.run_dir, fault=args.fault, start_file=args.start_file, link=link,
+                          dht_host=args.dht_host)
     return Peer(options).run()
 
 
 def simulate(args) -> int:
     from lowcomm.runtime.churn import parse_churn
     from lowcomm.runtime.sim import Simulation, SimulationError
+    from lowcomm.transport.netns import NetnsError, NetnsUnavailable
 
     if args.stages:
         print("lowcomm: --stages is not available in this version (see the README's roadmap)", file=sys.stderr)
         return 2
-    if args.netns:
-        print("lowcomm: --netns is not available in this version (see the README's roadmap)", file=sys.stderr)
-        return 2
     config = load_config(args.config).override({"run.algo": args.algo, "run.steps": args.steps,
                                                 "run.seed": args.seed, "diloco.inner_steps": args.inner_steps,
                                                 "diloco.codec": args.codec, "link.default": args.link,
-                                                "churn.spec": args.churn})
+                                                "churn.spec": args.churn, "link.netns": args.netns})
     run_dir = args.run_dir or args.report.with_suffix("").with_name(args.report.stem + "-run")
     links = sorted({config.link.spec_for(i) or "unshaped" for i in range(args.peers)})
     churn = f", churn {parse_churn(config.churn.spec)}" if parse_churn(config.churn.spec) else ""
+    mode = " in network namespaces (htb caps)" if config.link.netns else ""
     print(f"simulating {args.peers} peers, algo {config.run.algo}, {config.run.steps} steps each, "
-          f"links {', '.join(links)}{churn}; records in {run_dir}", file=sys.stderr)
+          f"links {', '.join(links)}{mode}{churn}; records in {run_dir}", file=sys.stderr)
     try:
         report = Simulation(config, args.peers, run_dir).run()
-    except SimulationError as e:
+    except NetnsUnavailable as e:
+        print(f"lowcomm: --netns: {e}", file=sys.stderr)
+        return 2
+    except (SimulationError, NetnsError) as e:
         print(f"lowcomm: simulation failed: {e}", file=sys.stderr)
         return 1
     args.report.parent.mkdir(parents=True, exist_ok=True)
     args.report.write_text(json.dumps(report, indent=1))
     print(f"final held-out loss {report['final_loss']:.4f}, {report['tokens']} tokens, "
           f"{report['bytes_sent'] / 1e6:.2f} MB sent, wall {report['wall_s']:.1f}s, "
-          f"compute utilization {report['compute_utilization'] or 0:.2f}; report in {args.report}")
+          f"compute utilization {report['compute_utilization'] or 0:.2f}"
+          + (f", {report['wire_bytes'] / 1e6:.2f} MB on the wire ({report['control_bytes'] / 1e6:.2f} MB DHT)"
+             if report.get("netns") else "") + f"; report in {args.report}")
     try:
         from lowcomm.runtime.plots import write_report_figures
         print(f"figures and summary: {', '.join(map(str, write_report_figures(report, args.report)))}")

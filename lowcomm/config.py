@@ -106,11 +106,14 @@ class LinkConfig:
         0 = "20mbit:80ms"
 
     A peer joining by hand sets its own link with `peer join --link`; the run's [link] does not
-    shape volunteers.
+    shape volunteers. `netns = true` (`simulate --netns`) runs every process in its own network
+    namespace: each RATE becomes the kernel's htb cap on that peer's link, LATENCY stays in the
+    peer's application shaper (which then paces nothing), and a peer with no RATE is uncapped.
     """
 
     default: str = ""
     peers: dict[str, str] = field(default_factory=dict)
+    netns: bool = False
 
     def spec_for(self, index: int) -> str:
         """The link spec of simulate's peer `index` ("" for an unshaped link)."""

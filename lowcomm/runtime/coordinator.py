@@ -30,10 +30,11 @@ CONFIG_TTL_S = 24 * 3600.0
 
 class Coordinator:
     def __init__(self, config: RunConfig, run_dir: Path, host: str = "127.0.0.1", port: int = 0,
-                 resume: Path | None = None, ready_file: Path | None = None):
+                 resume: Path | None = None, ready_file: Path | None = None, dht_host: str | None = None):
         self.config = config
         self.run_dir = Path(run_dir)
         self.host, self.port = host, port
+        self.dht_host = dht_host or host  # the DHT (p2pd) may listen on another address than gRPC
         self.resume = resume
         self.ready_file = ready_file
         self.stop_requested = threading.Event()
@@ -49,7 +50,7 @@ class Coordinator:
                 raise CheckpointError(f"checkpoint {self.resume} is for config {resumed.config_hash}, not "
                                       f"{self.config.config_hash()}; pass the --config it was written with")
             self.last_checkpoint_round = resumed.round
-        self.control = ControlPlane.start(self.identity, run, host=self.host, port=self.port)
+        self.control = ControlPlane.start(self.identity, run, host=self.dht_host, port=self.port)
         self.control.publish_config(self.config, version=1, ttl=CONFIG_TTL_S)
         self.traffic = Traffic()
         self.channels = Channels(self.config.sync.chunk_bytes)

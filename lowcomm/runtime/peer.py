@@ -58,6 +58,7 @@ class PeerOptions:
     # "late-announce@R" announces round R only after its manifest was written without this peer
     start_file: Path | None = None  # simulate's start barrier: train once this file exists
     link: LinkSpec | None = None  # emulated access link for all data-plane traffic (None: unshaped)
+    dht_host: str | None = None  # address the DHT (p2pd) listens on; None: `host`
 
 
 class Peer:
@@ -75,7 +76,8 @@ class Peer:
 
     def _connect(self) -> None:
         o = self.options
-        self.control = ControlPlane.start(self.identity, o.run_name, initial_peers=o.coordinator, host=o.host)
+        self.control = ControlPlane.start(self.identity, o.run_name, initial_peers=o.coordinator,
+                                          host=o.dht_host or o.host)
         self.config, _ = self.control.fetch_config(owner_marker_from_text(o.run_key))
         torch.set_num_threads(1)
         sync = self.config.sync

@@ -5,18 +5,22 @@ event) and `rounds[].link_bound_s`, the least time the round's bytes needed on t
 largest bytes / upload rate over the round's shaped peers. Every peer's sync starts before the
 round's manifest and every byte of the round is sent after it and awaited by some member, so the
 round's `sync_s` (the slowest peer's) is not below it (up to the shaper's 10 ms burst) unless a
-member timed out; their ratio is how well the sync used the links.
+member timed out; their ratio is how well the sync used the links. Under `simulate --netns` the
+caller passes `links_override` (each peer's kernel cap with the latency its application shaper
+adds), as the peers' own start events then hold only the latency (`unlimited:40ms`).
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 from lowcomm.transport.shaper import parse_link_option
 
 
 def build_report(records: list[dict], *, algo: str, peers: int, seed: int, model_params: int,
-                 started_at: float, extra: dict | None = None) -> dict:
+                 started_at: float, extra: dict | None = None,
+                 links_override: dict[str, str | None] | None = None) -> dict:
     compute = _last_per_peer(r for r in records if r["type"] == "compute")
     first_t = min((r["first_step_t"] for r in compute.values() if r.get("first_step_t")), default=started_at)
     last_t = max((r["last_step_t"] for r in compute.values()), default=first_t)
@@ -28,6 +32,7 @@ def build_report(records: list[dict], *, algo: str, peers: int, seed: int, model
     checkpoint_bytes += sum(e.get("checkpoint_bytes", 0) for p, e in exits.items() if p not in compute)
 
     links = {r["peer"]: r.get("link") for r in records if r["type"] == "event" and r.get("kind") == "start"}
+    links.update(links_override or {})
     rounds = _rounds(records, first_t, links)
     cumulative, running = {}, 0
     for row in rounds:
@@ -41,7 +46,9 @@ def build_report(records: list[dict], *, algo: str, peers: int, seed: int, model
         "final_loss": (sum(final) / len(final)) if final else (evals[-1]["loss"] if evals else None),
         "final_loss_spread": (max(final) - min(final)) if final else None,
         "bytes_sent": bytes_sent,
-        "control_bytes": None,
+        "control_bytes": None,  # netns mode: the DHT's bytes, from the kernel's counters (sim.py)
+        "wire_bytes": None,  # netns mode: every frame every node sent, headers and all
+        "netns": False,
         "checkpoint_bytes": checkpoint_bytes,  # state served to the coordinator's checkpoints, not in bytes_sent
         "wall_s": last_t - first_t,
         "startup_s": first_t - started_at,
@@ -70,7 +77,7 @@ def _link_bound_s(rows: list[dict], links: dict[str, str | None]) -> float | Non
     bounds = []
     for r in rows:
         spec = parse_link_option(links.get(r["peer"]))
-        if spec is not None:
+        if spec is not None and not math.isinf(spec.rate_bits):
             bounds.append(r["bytes"] / spec.bytes_per_s)
     return max(bounds) if bounds else None
 

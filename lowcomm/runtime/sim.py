@@ -6,16 +6,33 @@ nothing is left. Progress comes from the peers' JSONL records; the report is bui
 Each peer gets its emulated link from the config's [link] section as its own `--link` flag.
 With a churn plan (runtime.churn), joiners are started ahead and parked, and the wait loop applies
 the plan's kills, leaves and joins as the swarm's rounds advance.
+
+Namespace mode (`--netns`, `[link] netns = true`; Linux and root) runs each process through
+`node.wrap` in its own node of a transport.netns lab: the coordinator's node is uncapped, each peer's
+(joiners' too) is capped both ways at the RATE of its link by htb, and the peer gets only the
+LATENCY as `--link unlimited:LATENCY` (or no --link), so no byte is paced twice; a peer with no
+RATE is uncapped, its bytes still counted. gRPC listens on the node's data address and the DHT
+(p2pd) on its control address, so the kernel counts the two planes apart. `ip netns exec` execs
+the command, so the process keeps its pid and leads its own group as before. The lab is closed
+(whatever is left inside killed, links and namespaces removed) on every exit path of `run()`:
+normal, an exception, Ctrl-C, SIGTERM to the launcher (turned into SystemExit), and the lab's
+reaper process covers a SIGKILLed launcher. The report adds `netns`, `wire_bytes` (every frame
+every node sent, Ethernet/IP/TCP headers and the DHT included, start-up to shut-down),
+`control_bytes` (the DHT's share of it), `netns_nodes` (per node: cap and veth bytes by plane) and
+`links` with each peer's cap and latency; `bytes_sent` stays lowcomm's own data-plane count.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +44,8 @@ from lowcomm.models.gpt import GPT
 from lowcomm.runtime.churn import ChurnExecutor, ChurnPlan, parse_churn
 from lowcomm.runtime.report import build_report
 from lowcomm.runtime.runlog import read_records
+from lowcomm.transport.netns import NetnsLab, Node
+from lowcomm.transport.shaper import LinkSpec, parse_link_option
 
 logger = logging.getLogger(__name__)
 
@@ -75,11 +94,13 @@ class Process:
             return False
 
 
-def spawn(name: str, args: list[str], run_dir: Path) -> Process:
+def spawn(name: str, args: list[str], run_dir: Path, node: Node | None = None) -> Process:
+    """`lowcomm <args>` in its own process group (inside `node`'s namespace when given)."""
     log_path = run_dir / "logs" / f"{name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "lowcomm.cli", *args]
     with open(log_path, "ab") as log:
-        popen = subprocess.Popen([sys.executable, "-m", "lowcomm.cli", *args], stdout=log, stderr=subprocess.STDOUT,
+        popen = subprocess.Popen(node.wrap(cmd) if node is not None else cmd, stdout=log, stderr=subprocess.STDOUT,
                                  stdin=subprocess.DEVNULL, start_new_session=True, env=child_env())
     return Process(name, popen, log_path)
 
@@ -106,7 +127,63 @@ class Simulation:
     progress: bool = True
     timeout_s: float | None = None
     churn: ChurnPlan | None = None  # None: the config's [churn] spec
+    netns: bool | None = None  # None: the config's link.netns
     processes: list[Process] = field(default_factory=list)
+    lab: NetnsLab | None = None  # namespace mode: opened by open_lab() (or the first process), closed by close()
+    node_indices: dict[str, int | None] = field(default_factory=dict)  # node name -> peer index (None: coordinator)
+
+    @property
+    def use_netns(self) -> bool:
+        return self.config.link.netns if self.netns is None else self.netns
+
+    # ---- namespace mode ------------------------------------------------------------------------
+
+    def open_lab(self) -> NetnsLab | None:
+        """Namespace mode: the lab (NetnsUnavailable, saying what to do, where it cannot be made)."""
+        if self.use_netns and self.lab is None:
+            self.lab = NetnsLab().open()
+        return self.lab
+
+    def node(self, name: str, index: int | None, rate_bits: float | None) -> Node | None:
+        """The namespace node a process called `name` runs in (made on first use); None without netns."""
+        lab = self.open_lab()
+        if lab is None:
+            return None
+        existing = next((n for n in lab.nodes if n.name == name), None)  # a restarted process reuses its node
+        if existing is not None:
+            return existing
+        self.node_indices[name] = index
+        return lab.add_node(name, rate=rate_bits)
+
+    def close_lab(self) -> None:
+        """Kills whatever is left in the lab, snapshots its counters and removes it (NetnsError if it cannot)."""
+        if self.lab is not None:
+            self.lab.close()
+
+    def close(self) -> list[str]:
+        """stop_all(), then the lab; returns the names of groups that survived."""
+        try:
+            return self.stop_all()
+        finally:
+            self.close_lab()
+
+    def netns_figures(self, ids: dict[int, str]) -> dict:
+        """The lab's counters (final once it is closed) for the report."""
+        nodes, caps = {}, {}
+        for node in self.lab.nodes:
+            counters, classes = node.counters(), node.class_bytes()
+            index = self.node_indices.get(node.name)
+            nodes[node.name] = {
+                "peer": ids.get(index) if index is not None else "coordinator", "index": index,
+                "address": node.address, "control_address": node.control_address, "cap_bits": node.rate_bits,
+                "tx": counters["tx"], "rx": counters["rx"],
+                "data_tx": classes["data"]["tx"], "data_rx": classes["data"]["rx"],
+                "control_tx": classes["control"]["tx"], "control_rx": classes["control"]["rx"]}
+            caps[node.name] = node.rate_bits
+        return {"netns": True, "wire_bytes": sum(n["tx"] for n in nodes.values()),
+                "control_bytes": sum(n["control_tx"] for n in nodes.values()),
+                "wire_bytes_peers": sum(n["tx"] for name, n in nodes.items() if n["index"] is not None),
+                "caps": caps, "netns_nodes": nodes, "netns_lab": self.lab.tag}
 
     def start_coordinator(self, resume: Path | None = None) -> dict:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -121,11 +198,14 @@ class Simulation:
         config_path.write_text(json.dumps(self.config.to_dict(), indent=1))
         ready = self.run_dir / "coordinator.json"
         ready.unlink(missing_ok=True)
+        node = self.node("coordinator", None, None)  # uncapped: it stands for the run owner's server
         args = ["coordinator", "start", "--config", str(config_path), "--run-dir", str(self.run_dir),
-                "--host", self.host, "--ready-file", str(ready)]
+                "--host", node.address if node else self.host, "--ready-file", str(ready)]
+        if node is not None:
+            args += ["--dht-host", node.control_address]
         if resume is not None:
             args += ["--resume", str(resume)]
-        self.coordinator = spawn("coordinator", args, self.run_dir)
+        self.coordinator = spawn("coordinator", args, self.run_dir, node)
         self.processes.append(self.coordinator)
         self.info = wait_for_file(ready, self.coordinator, timeout=120)
         return self.info
@@ -165,17 +245,25 @@ class Simulation:
     def start_peer(self, index: int, fault: str | None = None, park: bool = True,
                    start_file: Path | None = None) -> Process:
         """Peer `index` (also its data shard); parked peers wait at `start_file` (default: the shared one)."""
+        name = f"peer-{index}"
+        link = parse_link_option(self.config.link.spec_for(index))
+        capped = link is not None and not math.isinf(link.rate_bits)  # "unlimited:40ms": latency only
+        node = self.node(name, index, link.rate_bits if capped else None)
         args = ["peer", "join", "--coordinator", self.info["maddrs"][0], "--run-key", self.info["run_key"],
-                "--run", self.info["run"], "--host", self.host, "--data-shard", str(index),
+                "--run", self.info["run"], "--host", node.address if node else self.host, "--data-shard", str(index),
                 "--num-shards", str(max(self.peers, index + 1)), "--run-dir", str(self.run_dir), "--device", "cpu"]
+        if node is not None:
+            args += ["--dht-host", node.control_address]
         start_file = (start_file or self.start_file) if park else None
         if start_file is not None:
             args += ["--start-file", str(start_file)]
         if fault or self.peer_faults.get(index):
             args += ["--fault", fault or self.peer_faults[index]]
-        if self.config.link.spec_for(index):
+        if node is not None and link is not None and link.latency_s > 0:
+            args += ["--link", str(LinkSpec(math.inf, link.latency_s))]  # htb has the rate: latency only
+        elif node is None and link is not None:
             args += ["--link", self.config.link.spec_for(index)]
-        process = spawn(f"peer-{index}", args, self.run_dir)
+        process = spawn(name, args, self.run_dir, node)
         process.index, process.start_file = index, start_file
         self.processes.append(process)
         return process
@@ -227,6 +315,13 @@ class Simulation:
                 time.sleep(0.1)
             if p.group_alive():
                 survivors.append(p.name)
+        if self.lab is not None and not self.lab.closed:
+            # every process of the run lives in one of the lab's namespaces: none may be left there
+            deadline = time.monotonic() + 10
+            while any(node.pids() for node in self.lab.nodes) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            survivors += [f"{node.name} (pids {node.pids()} in its namespace)" for node in self.lab.nodes
+                          if node.pids()]
         return survivors
 
     def churn_executor(self) -> ChurnExecutor | None:
@@ -242,24 +337,36 @@ class Simulation:
     def run(self) -> dict:
         started = time.time()
         churn = None
+        error: BaseException | None = None
         try:
-            self.start_coordinator()
-            churn = self.churn_executor()
-            self.start_file.unlink(missing_ok=True)
-            peers = [self.start_peer(i) for i in range(self.peers)]
-            if churn is not None:
-                self.wait_ready(churn.start_spares())  # joiners wait parked, fully started, until their turn
-            self.release(peers)
-            if churn is not None:
-                churn.begin(peers)
-            timeout = self.timeout_s or max(600.0, self.config.run.steps * self.peers * 1.0)
-            self.wait_peers(peers, timeout, churn)
-            removed = churn.removed if churn is not None else {}
-            failed = [p.name for p in peers if p.popen.returncode != 0 and removed.get(p.name) != "kill"]
+            with _terminate_raises():
+                self.open_lab()  # first: where namespaces cannot be made, nothing has started
+                self.start_coordinator()
+                churn = self.churn_executor()
+                self.start_file.unlink(missing_ok=True)
+                peers = [self.start_peer(i) for i in range(self.peers)]
+                if churn is not None:
+                    self.wait_ready(churn.start_spares())  # joiners wait parked, fully started, until their turn
+                self.release(peers)
+                if churn is not None:
+                    churn.begin(peers)
+                timeout = self.timeout_s or max(600.0, self.config.run.steps * self.peers * 1.0)
+                self.wait_peers(peers, timeout, churn)
+                removed = churn.removed if churn is not None else {}
+                failed = [p.name for p in peers if p.popen.returncode != 0 and removed.get(p.name) != "kill"]
+        except BaseException as e:
+            error = e
+            raise
         finally:
-            if churn is not None:
-                churn.close(self.records())
-            survivors = self.stop_all()
+            with _terminate_ignored():  # a second SIGTERM does not cut the clean-up short
+                try:
+                    if churn is not None:
+                        churn.close(self.records())
+                finally:
+                    try:
+                        survivors = self.stop_all()
+                    finally:
+                        self._close_lab_after(error)
         if survivors:
             raise SimulationError(f"processes of {survivors} survived SIGKILL of their group")
         report = self.report(started)
@@ -268,11 +375,66 @@ class Simulation:
             report["churn"] = churn.summary()
         return report
 
+    def _close_lab_after(self, error: BaseException | None) -> None:
+        """close_lab(); a failure to remove the lab does not hide the error that ended the run."""
+        if error is None:
+            self.close_lab()
+            return
+        try:
+            self.close_lab()
+        except Exception:
+            logger.exception("while removing the lab after %s", type(error).__name__)
+
     def report(self, started: float) -> dict:
         torch_params = GPT(self.config.model).num_parameters()
-        return build_report(self.records(), algo=self.config.run.algo, peers=self.peers, seed=self.config.run.seed,
-                            model_params=torch_params, started_at=started,
-                            extra={"config_hash": self.config.config_hash(), "run_dir": str(self.run_dir)})
+        records = self.records()
+        extra = {"config_hash": self.config.config_hash(), "run_dir": str(self.run_dir)}
+        links = None
+        if self.lab is not None:
+            ids = self.peer_ids(records)
+            # the peers' start events say only "unlimited:LATENCY": the rate is the node's htb cap
+            links = {peer: self.config.link.spec_for(index) or None for index, peer in ids.items()}
+            extra.update(self.netns_figures(ids))
+        report = build_report(records, algo=self.config.run.algo, peers=self.peers, seed=self.config.run.seed,
+                              model_params=torch_params, started_at=started, extra=extra, links_override=links)
+        if self.lab is not None:
+            report["wire_bytes_per_token"] = report["wire_bytes_peers"] / report["tokens"] if report["tokens"] else None
+        return report
+
+
+@contextlib.contextmanager
+def _terminate_raises():
+    """In the main thread: SIGTERM (and SIGHUP, unless ignored) raise SystemExit, so every finally runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = {}
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        if signum == signal.SIGTERM or signal.getsignal(signum) == signal.SIG_DFL:
+            previous[signum] = signal.signal(signum, handler)
+    try:
+        yield
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
+
+
+@contextlib.contextmanager
+def _terminate_ignored():
+    """In the main thread: SIGTERM and SIGHUP are ignored meanwhile (the clean-up runs to its end)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
 
 
 def _last_compute(records: list[dict]) -> dict[str, dict]:

@@ -358,6 +358,10 @@ class Node:
         """`cmd` run inside this node's namespace (`ip netns exec` keeps the pid: it execs the command)."""
         return [shutil.which("ip") or "ip", "netns", "exec", self.ns, *cmd]
 
+    def pids(self) -> list[int]:
+        """The processes inside this node's namespace now (zombies excluded)."""
+        return _pids_inside(self.ns)
+
     def counters(self) -> dict[str, int]:
         """Bytes this node sent (tx) and received (rx), Ethernet frames whole, from the host-side veth."""
         if self.final is not None:

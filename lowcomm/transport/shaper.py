@@ -24,6 +24,10 @@ receives through it. The model, stated so reports can be checked against it:
   store-and-forward delay per message. After an idle spell, one message from a sender faster than
   this downlink can therefore arrive early; everything after it is paced.
 
+- **Latency only.** The rate `unlimited` (e.g. `unlimited:40ms`) paces nothing and only delays:
+  `simulate --netns` gives peers this form, because there the kernel's htb caps are the rate (the
+  `netem` qdisc that could add latency in the kernel is not available).
+
 Every wait ends at the caller's deadline (monotonic seconds) when one is given, and at `close()`.
 """
 
@@ -43,13 +47,15 @@ BURST_S = 0.010  # the bucket holds at most this much traffic
 ACCEPTED_FORMS = ("RATE[:LATENCY], e.g. '100mbit:40ms', '20mbit', '1gbit:5ms', '500kbit', '10MB:0.1s'; "
                   "RATE is a number with a unit: bit, kbit, mbit, gbit (bits/s, powers of 1000) or "
                   "B, KB, MB, GB (bytes/s, powers of 1000), KiB, MiB, GiB (bytes/s, powers of 1024), "
-                  "optionally followed by '/s'; LATENCY is a number with a unit: us, ms or s")
+                  "optionally followed by '/s', or 'unlimited' (latency only, e.g. 'unlimited:40ms'); "
+                  "LATENCY is a number with a unit: us, ms or s")
 
 _BIT_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 _BYTE_UNITS = {"B": 8, "KB": 8e3, "kB": 8e3, "MB": 8e6, "GB": 8e9, "KiB": 8 * 1024, "MiB": 8 * 1024 ** 2,
                "GiB": 8 * 1024 ** 3}
 _LATENCY_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 _NUMBER = r"(\d+(?:\.\d*)?|\.\d+)"
+UNLIMITED = "unlimited"  # a rate that paces nothing: the link only adds latency
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,8 @@ class LinkSpec:
         return self.rate_bits / 8
 
     def __str__(self) -> str:
+        if math.isinf(self.rate_bits):
+            return UNLIMITED if self.latency_s == 0 else f"{UNLIMITED}:{self.latency_s * 1e3:.10g}ms"
         rate = next((f"{self.rate_bits / scale:.10g}{unit}" for unit, scale in (("gbit", 1e9), ("mbit", 1e6),
                                                                                ("kbit", 1e3))
                      if self.rate_bits >= scale), f"{self.rate_bits:.10g}bit")
@@ -86,6 +94,8 @@ def parse_link_option(text: str | None) -> LinkSpec | None:
 
 
 def _parse_rate(text: str, whole: str) -> float:
+    if text.lower() == UNLIMITED:
+        return math.inf
     match = re.fullmatch(_NUMBER + r"\s*([A-Za-z]+)(/s)?", text)
     if not match:
         raise ValueError(f"link {whole!r}: cannot read the rate {text!r}; use {ACCEPTED_FORMS}")
@@ -124,6 +134,8 @@ class _Bucket:
 
     def reserve(self, nbytes: int, earliest: float) -> float:
         """Commits `nbytes` in the first free slot at or after `earliest`; returns the slot's end."""
+        if math.isinf(self.bytes_per_s):
+            return earliest  # an unlimited direction never delays (and commits nothing)
         with self._lock:
             start = max(self._committed, earliest)
             self._committed = start + nbytes / self.bytes_per_s
