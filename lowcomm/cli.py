@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from lowcomm.config import ConfigError, load_config
+from lowcomm.config import ALGOS, ConfigError, load_config
 
 
 def _add_coordinator(sub) -> None:
@@ -54,10 +54,11 @@ def _add_simulate(sub) -> None:
     simulate = sub.add_parser("simulate", help="a coordinator and N peers as local processes")
     simulate.add_argument("--config", type=Path, help="run config (TOML); defaults to the embedded default run")
     simulate.add_argument("--peers", type=int, default=4)
-    simulate.add_argument("--algo", choices=["ddp", "diloco"], help="overrides run.algo")
+    simulate.add_argument("--algo", choices=list(ALGOS), help="overrides run.algo")
     simulate.add_argument("--steps", type=int, help="inner steps per peer (overrides run.steps)")
     simulate.add_argument("--seed", type=int, help="overrides run.seed")
-    simulate.add_argument("--inner-steps", type=int, help="DiLoCo H (overrides diloco.inner_steps)")
+    simulate.add_argument("--inner-steps", type=int, help="H of the chosen algorithm (diloco.inner_steps or "
+                          "sparseloco.inner_steps)")
     simulate.add_argument("--codec", choices=["fp32", "uint8"], help="DiLoCo payload codec")
     simulate.add_argument("--report", type=Path, default=Path("report.json"))
     simulate.add_argument("--run-dir", type=Path, help="folder for logs and peer records (default: beside the report)")
@@ -146,10 +147,12 @@ def simulate(args) -> int:
     if args.stages:
         print("lowcomm: --stages is not available in this version (see the README's roadmap)", file=sys.stderr)
         return 2
-    config = load_config(args.config).override({"run.algo": args.algo, "run.steps": args.steps,
-                                                "run.seed": args.seed, "diloco.inner_steps": args.inner_steps,
-                                                "diloco.codec": args.codec, "link.default": args.link,
-                                                "churn.spec": args.churn, "link.netns": args.netns})
+    config = load_config(args.config).override({"run.algo": args.algo})
+    inner_steps_key = "sparseloco.inner_steps" if config.run.algo == "sparseloco" else "diloco.inner_steps"
+    config = config.override({"run.steps": args.steps,
+                              "run.seed": args.seed, inner_steps_key: args.inner_steps,
+                              "diloco.codec": args.codec, "link.default": args.link,
+                              "churn.spec": args.churn, "link.netns": args.netns})
     run_dir = args.run_dir or args.report.with_suffix("").with_name(args.report.stem + "-run")
     links = sorted({config.link.spec_for(i) or "unshaped" for i in range(args.peers)})
     churn = f", churn {parse_churn(config.churn.spec)}" if parse_churn(config.churn.spec) else ""

@@ -18,10 +18,15 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from lowcomm.algorithms.demo import DemoConfig
+from lowcomm.algorithms.sparseloco import SparseLoCoConfig
+from lowcomm.compress.topk import VALUE_CODECS
 from lowcomm.runtime.churn import parse_churn
 from lowcomm.transport.shaper import parse_link_option
 
 
+ALGOS = ("diloco", "sparseloco", "demo", "ddp")
+PER_STEP_ALGOS = ("ddp", "demo")  # sync every optimizer step, in membership epochs
 UNHASHED_SECTIONS = ("link", "churn")  # the emulated network: not part of what makes two runs the same
 
 
@@ -139,6 +144,8 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
     diloco: DilocoConfig = field(default_factory=DilocoConfig)
+    sparseloco: SparseLoCoConfig = field(default_factory=SparseLoCoConfig)
+    demo: DemoConfig = field(default_factory=DemoConfig)
     ddp: DdpConfig = field(default_factory=DdpConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -150,6 +157,18 @@ class RunConfig:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @property
+    def steps_per_sync(self) -> int:
+        """Inner steps between two syncs: 1 for ddp, H for the local-update algorithms."""
+        if self.per_step:
+            return 1
+        return self.sparseloco.inner_steps if self.run.algo == "sparseloco" else self.diloco.inner_steps
+
+    @property
+    def per_step(self) -> bool:
+        """True for the algorithms that sync every step (ddp, DeMo): they run in membership epochs."""
+        return self.run.algo in PER_STEP_ALGOS
 
     def config_hash(self) -> str:
         """Identifies the training run: every section but [link] and [churn] (the emulated network)."""
@@ -191,8 +210,15 @@ class RunConfig:
         return RunConfig.from_dict(raw)
 
     def validate(self) -> None:
-        if self.run.algo not in ("diloco", "ddp"):
-            raise ConfigError(f"run.algo = {self.run.algo!r}: this version runs 'diloco' or 'ddp'")
+        if self.run.algo not in ALGOS:
+            raise ConfigError(f"run.algo = {self.run.algo!r}: this version runs {', '.join(ALGOS)}")
+        if self.sparseloco.values not in VALUE_CODECS:
+            raise ConfigError(f"sparseloco.values = {self.sparseloco.values!r}: use one of {', '.join(VALUE_CODECS)}")
+        for key in ("inner_steps", "topk", "chunk"):
+            if getattr(self.sparseloco, key) < 1:
+                raise ConfigError(f"sparseloco.{key} must be ≥ 1")
+        if self.demo.topk < 1 or self.demo.chunk < 1 or not self.demo.lr > 0:
+            raise ConfigError("demo.topk and demo.chunk must be ≥ 1 and demo.lr > 0")
         if self.diloco.codec not in ("fp32", "uint8"):
             raise ConfigError(f"diloco.codec = {self.diloco.codec!r}: use 'fp32' or 'uint8'")
         if self.model.d_model % self.model.n_heads:

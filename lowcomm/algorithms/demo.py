@@ -29,7 +29,7 @@ from lowcomm.compress import SparseCodec, get_codec, scatter_mean
 
 @dataclass
 class DemoConfig:
-    lr: float  # η; ALGORITHMS.md fixes no default for DeMo's lr
+    lr: float = 1e-3  # η; ALGORITHMS.md fixes none: lowcomm's default for the reference model
     beta: float = 0.999  # compression_decay
     topk: int = 32  # compression_topk, per chunk
     chunk: int = 64  # compression_chunk s: chunk edge = largest divisor of each dimension ≤ s

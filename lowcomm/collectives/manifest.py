@@ -36,17 +36,6 @@ class Manifest:
     def covers(self, round_: int) -> bool:
         return self.round <= round_ < self.round + self.epoch_rounds
 
-    def shard_bounds(self, numel: int) -> list[tuple[int, int]]:
-        """Contiguous, near-equal shards, one per owner, in owner order."""
-        n = len(self.owners)
-        base, extra = divmod(numel, n)
-        bounds, start = [], 0
-        for j in range(n):
-            end = start + base + (1 if j < extra else 0)
-            bounds.append((start, end))
-            start = end
-        return bounds
-
     def to_dict(self) -> dict:
         return asdict(self)
 

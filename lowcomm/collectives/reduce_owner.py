@@ -34,49 +34,48 @@ class Slot:
     round: int
     shard: int
     members: frozenset[str]
-    numel: int
-    codec_name: str
-    zstd_level: int
+    bounds: tuple[int, int]  # the shard's range of the flat payload
+    combiner: object  # collectives.combiners: accept / close / finish
     deadline: float  # time.monotonic()
-    total: torch.Tensor = None
-    weight: float = 0.0
-    contributors: set[str] = field(default_factory=set)
+    items: dict[str, tuple[object, float]] = field(default_factory=dict)
     blob: bytes | None = None
     cond: threading.Condition = field(default_factory=threading.Condition)
 
-    def add(self, sender: str, values: torch.Tensor, weight: float) -> None:
+    @property
+    def codec_name(self) -> str:
+        return self.combiner.name
+
+    @property
+    def numel(self) -> int:
+        return self.bounds[1] - self.bounds[0]
+
+    @property
+    def contributors(self) -> set[str]:
+        return set(self.items)
+
+    def add(self, sender: str, item: object, weight: float) -> None:
         with self.cond:
             if self.blob is not None:
                 raise ContributionRejected(f"round {self.round} shard {self.shard} already closed")
-            if sender in self.contributors:
+            if sender in self.items:
                 raise ContributionRejected(f"replay: {sender} already contributed to round {self.round}")
-            contribution = values.to(torch.float32) * weight
-            self.total = contribution if self.total is None else self.total + contribution
-            self.weight += weight
-            self.contributors.add(sender)
-            if self.contributors >= self.members:
+            self.items[sender] = (item, weight)
+            if set(self.items) >= self.members:
                 self.cond.notify_all()
 
     def result(self) -> tuple[bytes, list[str]]:
-        """Waits for every member or the deadline, then returns the encoded reduced shard."""
+        """Waits for every member or the deadline, then returns the owner's reply bytes."""
         with self.cond:
-            while self.blob is None and not self.contributors >= self.members:
+            while self.blob is None and not set(self.items) >= self.members:
                 remaining = self.deadline - time.monotonic()
                 if remaining <= 0:
                     break
                 self.cond.wait(remaining)
             if self.blob is None:
-                self._close()
-            return self.blob, sorted(self.contributors)
-
-    def _close(self) -> None:
-        codec = get_codec(self.codec_name, zstd_level=self.zstd_level)
-        if self.total is None:  # nobody contributed, not even the owner: an empty round
-            mean = torch.zeros(self.numel)
-        else:
-            mean = self.total / self.weight
-        self.blob = codec.encode(mean)
-        self.cond.notify_all()
+                self.blob = self.combiner.close(self.items, self.bounds)
+                self.items = {sender: (None, weight) for sender, (_, weight) in self.items.items()}  # free memory
+                self.cond.notify_all()
+            return self.blob, sorted(self.items)
 
 
 class OwnerSlots:

@@ -24,9 +24,8 @@ import torch
 
 from lowcomm.collectives.base import CollectiveError, GroupKey, RoundResult
 from lowcomm.collectives.manifest import Manifest, ManifestAgreement
-from lowcomm.collectives.reduce_owner import (ContributionRejected, OwnerSlots, Slot, decode_contribution,
-                                              validate_weight)
-from lowcomm.compress import get_codec
+from lowcomm.collectives.combiners import DenseMean
+from lowcomm.collectives.reduce_owner import ContributionRejected, OwnerSlots, Slot, validate_weight
 from lowcomm.config import SyncConfig
 from lowcomm.proto import wire_pb2
 from lowcomm.transport.service import PeerService
@@ -34,11 +33,6 @@ from lowcomm.transport.wire import Channels, Traffic, WireError, assemble, slice
 
 logger = logging.getLogger(__name__)
 OK = wire_pb2.ReduceReply.OK
-
-
-def max_blob_bytes(numel: int) -> int:
-    """The largest encoded shard accepted: dense fp32 plus frame and codebook slack."""
-    return numel * 4 + (64 << 10)
 
 
 @dataclass
@@ -53,13 +47,15 @@ class ShardedReduce:
 
     def __init__(self, peer_id: str, service: PeerService, channels: Channels, traffic: Traffic,
                  agreement: ManifestAgreement, sync: SyncConfig, codec: str, epoch_rounds: int = 1,
-                 on_event=None):
+                 on_event=None, combiner=None):
         self.me = peer_id
         self.channels = channels
         self.traffic = traffic
         self.agreement = agreement
         self.sync = sync
-        self.codec = codec
+        # What owners do with contributions: the token-weighted mean by default (DiLoCo, ddp).
+        self.combiner = combiner or DenseMean(codec, sync.zstd_level)
+        self.codec = self.combiner.name
         self.epoch_rounds = epoch_rounds
         self.slots = OwnerSlots()
         self.on_event = on_event or (lambda kind, **fields: None)
@@ -72,9 +68,11 @@ class ShardedReduce:
 
     # ---- the caller's side ----------------------------------------------------------------
 
-    def start(self, key: GroupKey, round_: int, payload: torch.Tensor, weight: float = 1.0) -> "ReduceHandle":
-        flat = payload.detach().reshape(-1).to(torch.float32).cpu()
-        future = self._pool.submit(self._run, key, round_, flat, float(weight))
+    def start(self, key: GroupKey, round_: int, payload, weight: float = 1.0) -> "ReduceHandle":
+        """``payload``: a tensor (dense combiners) or what the combiner encodes (e.g. blobs per parameter)."""
+        if isinstance(payload, torch.Tensor):
+            payload = payload.detach().reshape(-1).to(torch.float32).cpu()
+        future = self._pool.submit(self._run, key, round_, payload, float(weight))
         return ReduceHandle(future)
 
     def end_epoch(self, key: GroupKey) -> None:
@@ -89,34 +87,33 @@ class ShardedReduce:
             self._manifests[key.group] = manifest
         return manifest
 
-    def _run(self, key: GroupKey, round_: int, flat: torch.Tensor, weight: float) -> RoundResult:
+    def _run(self, key: GroupKey, round_: int, payload, weight: float) -> RoundResult:
         t0 = time.monotonic()
         manifest = self._manifest_for(key, round_)
         if self.before_send is not None:
             self.before_send(round_)
         t_manifest = time.monotonic()
         deadline = t_manifest + self.sync.reduce_timeout_s
-        bounds = manifest.shard_bounds(flat.numel())
-        codec = get_codec(self.codec, zstd_level=self.sync.zstd_level)
+        bounds = self.combiner.shard_bounds(len(manifest.owners), self.combiner.numel(payload))
         my_shard = manifest.owners.index(self.me) if self.me in manifest.owners else None
         if my_shard is not None:
-            start, end = bounds[my_shard]
-            slot = self.slots.open(Slot(key.group, round_, my_shard, frozenset(manifest.members), end - start,
-                                        self.codec, self.sync.zstd_level, deadline))
+            slot = self.slots.open(Slot(key.group, round_, my_shard, frozenset(manifest.members), bounds[my_shard],
+                                        self.combiner, deadline))
         sends = {}
         for j, owner in enumerate(manifest.owners):
-            part = flat[bounds[j][0]:bounds[j][1]]
             if owner == self.me:
-                slot.add(self.me, part, weight)
+                slot.add(self.me, self.combiner.own(payload, bounds[j]), weight)
             else:
-                sends[j] = self._pool.submit(self._send, manifest, key, round_, j, codec.encode(part), weight,
-                                             bounds[j][1] - bounds[j][0], deadline)
+                sends[j] = self._pool.submit(self._send, manifest, key, round_, j,
+                                             self.combiner.encode(payload, bounds[j]), weight, bounds[j], deadline)
         replies: dict[int, ShardReply] = {}
         timed_out = set()
         if my_shard is not None:
             blob, contributors = slot.result()
-            numel = bounds[my_shard][1] - bounds[my_shard][0]
-            replies[my_shard] = ShardReply(decode_contribution(blob, self.codec, numel), contributors, blob)
+            try:
+                replies[my_shard] = ShardReply(self.combiner.finish(blob, bounds[my_shard]), contributors, blob)
+            except ContributionRejected as e:
+                raise CollectiveError(f"round {round_}: this owner's own reply is unreadable: {e}") from None
         for j, future in sends.items():
             try:
                 replies[j] = future.result(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
@@ -127,7 +124,8 @@ class ShardedReduce:
             self.slots.hold(key.group, round_, j, reply.blob, reply.contributors)
         missing = [j for j in range(len(manifest.owners)) if j not in replies]
         for j in missing:
-            filled = self._fill_hole(manifest, key, round_, j, bounds[j][1] - bounds[j][0])
+            filled = self._fill_hole(manifest, key, round_, j, bounds[j],
+                                     wait_s=min(5.0, max(1.0, deadline - time.monotonic() + 2.0)))
             if filled is not None:
                 replies[j] = filled
                 self.slots.hold(key.group, round_, j, filled.blob, filled.contributors)
@@ -136,8 +134,7 @@ class ShardedReduce:
         for j in lost:
             # Nobody received it: its owner died before replying to anyone. Every member that lost it
             # applies no update to that slice (the drift check resyncs a member that raced and got it).
-            numel = bounds[j][1] - bounds[j][0]
-            replies[j] = ShardReply(torch.zeros(numel), [], b"")
+            replies[j] = ShardReply(torch.zeros(bounds[j][1] - bounds[j][0]), [], b"")
             self.on_event("shard_lost", round=round_, shard=j, owner=manifest.owners[j])
         aggregate = torch.cat([replies[j].values for j in range(len(manifest.owners))])
         kept = [set(r.contributors) for j, r in replies.items() if j not in lost]
@@ -159,7 +156,7 @@ class ShardedReduce:
                             "shard_contributors": {j: r.contributors for j, r in replies.items()}})
 
     def _send(self, manifest: Manifest, key: GroupKey, round_: int, shard: int, blob: bytes, weight: float,
-              numel: int, deadline: float) -> ShardReply:
+              bounds: tuple[int, int], deadline: float) -> ShardReply:
         owner = manifest.owners[shard]
         stub = self.channels.stub(manifest.endpoints[owner])
 
@@ -176,9 +173,13 @@ class ShardedReduce:
         timeout = max(0.1, deadline - time.monotonic() + 0.5)
         call_deadline = time.monotonic() + timeout
         replies = stub.Reduce(self.traffic.sending(chunks(), call_deadline), timeout=timeout)
-        return self._read_reply(replies, shard, numel, call_deadline)
+        reply = self._read_reply(replies, shard, bounds, len(manifest.members), call_deadline)
+        # Held at once, not after every other shard: a member whose copy of this shard was lost
+        # asks the others for it while they may still wait on slower owners.
+        self.slots.hold(key.group, round_, shard, reply.blob, reply.contributors)
+        return reply
 
-    def _read_reply(self, stream, shard: int, numel: int, deadline: float) -> ShardReply:
+    def _read_reply(self, stream, shard: int, bounds: tuple[int, int], members: int, deadline: float) -> ShardReply:
         first, datas = None, []
         for reply in self.traffic.receiving(stream, deadline):
             if first is None:
@@ -188,9 +189,9 @@ class ShardedReduce:
             datas.append(reply.data)
         if first is None:
             raise CollectiveError(f"owner of shard {shard} sent no reply")
-        blob = assemble(first.total_bytes, datas, max_blob_bytes(numel))
+        blob = assemble(first.total_bytes, datas, self.combiner.max_reply_bytes(bounds, members))
         try:
-            values = decode_contribution(blob, self.codec, numel)
+            values = self.combiner.finish(blob, bounds)
         except ContributionRejected as e:
             raise CollectiveError(f"owner of shard {shard} replied with a bad aggregate: {e}") from None
         return ShardReply(values, list(first.contributors), blob)
@@ -204,12 +205,12 @@ class ShardedReduce:
         """
         t0 = time.monotonic()
         deadline = t0 + self.sync.reduce_timeout_s + 2 * self.sync.manifest_s
-        bounds = manifest.shard_bounds(numel)
+        bounds = self.combiner.shard_bounds(len(manifest.owners), numel)
         replies: dict[int, ShardReply] = {}
         while len(replies) < len(manifest.owners) and time.monotonic() < deadline:
             for j in range(len(manifest.owners)):
                 if j not in replies:
-                    reply = self._fill_hole(manifest, key, round_, j, bounds[j][1] - bounds[j][0],
+                    reply = self._fill_hole(manifest, key, round_, j, bounds[j],
                                             ask_owner=True, wait_s=min(5.0, max(0.0, deadline - time.monotonic())))
                     if reply is not None:
                         replies[j] = reply
@@ -224,7 +225,7 @@ class ShardedReduce:
                            {"manifest_s": 0.0, "reduce_s": time.monotonic() - t0, "leader": manifest.leader,
                             "epoch": manifest.round, "caught_up": True})
 
-    def _fill_hole(self, manifest: Manifest, key: GroupKey, round_: int, shard: int, numel: int,
+    def _fill_hole(self, manifest: Manifest, key: GroupKey, round_: int, shard: int, bounds: tuple[int, int],
                    ask_owner: bool = False, wait_s: float = 1.0):
         owner = manifest.owners[shard]
         askable = [owner] if ask_owner else []
@@ -236,7 +237,7 @@ class ShardedReduce:
             try:
                 stub = self.channels.stub(manifest.endpoints[member])
                 replies = stub.GetShard(request, timeout=max(0.1, call_deadline - time.monotonic()))
-                return self._read_reply(replies, shard, numel, call_deadline)
+                return self._read_reply(replies, shard, bounds, len(manifest.members), call_deadline)
             except (grpc.RpcError, CollectiveError, WireError) as e:
                 logger.info("round %d: %s could not fill shard %d: %s", round_, member, shard, e)
         return None
@@ -255,8 +256,9 @@ class ShardedReduce:
             if first.shard != slot.shard or first.codec != slot.codec_name:
                 raise ContributionRejected(f"shard {first.shard}/codec {first.codec!r} do not match this owner's "
                                            f"shard {slot.shard}/{slot.codec_name!r}")
-            blob = assemble(first.total_bytes, self._datas(first, requests), max_blob_bytes(slot.numel))
-            slot.add(first.sender, decode_contribution(blob, first.codec, slot.numel), first.weight)
+            blob = assemble(first.total_bytes, self._datas(first, requests),
+                            self.combiner.max_reply_bytes(slot.bounds, 1))
+            slot.add(first.sender, self.combiner.accept(blob, slot.bounds), first.weight)
         except (ContributionRejected, WireError, TimeoutError) as e:
             self.slots.rejected += 1
             self.on_event("reject", round=int(first.round), sender=first.sender[:40], error=str(e)[:200])

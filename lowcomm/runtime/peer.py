@@ -23,7 +23,11 @@ from pathlib import Path
 import torch
 
 from lowcomm.algorithms.ddp import DataParallel
+from lowcomm.algorithms.demo_replica import Demo
+from lowcomm.algorithms.demo_replica import combiner as demo_combiner
 from lowcomm.algorithms.diloco import DiLoCo
+from lowcomm.algorithms.sparseloco_replica import SparseLoCo
+from lowcomm.algorithms.sparseloco_replica import combiner as sparseloco_combiner
 from lowcomm.collectives.base import CollectiveError, GroupKey, NotInRound, RoundResult
 from lowcomm.collectives.manifest import ManifestAgreement
 from lowcomm.collectives.sharded_reduce import ShardedReduce
@@ -97,18 +101,26 @@ class Peer:
         state = "parked" if o.start_file is not None else "joining"
         self.record = PeerRecord(self.me, self.endpoint, state, device.type, client_mode=self.client_mode)
         algo = self.config.run.algo
-        epoch_rounds = self.config.ddp.epoch_steps if algo == "ddp" else 1
+        epoch_rounds = self.config.ddp.epoch_steps if self.config.per_step else 1
         codec = "fp32" if algo == "ddp" else self.config.diloco.codec
+        shapes = [tuple(p.shape) for p in self.trainer.model.parameters()]
+        combiner = {"sparseloco": lambda: sparseloco_combiner(self.config.sparseloco, shapes),
+                    "demo": lambda: demo_combiner(self.config.demo, shapes)}.get(algo, lambda: None)()
         agreement = ManifestAgreement(self.control, sync, self.endpoint, self.client_mode, on_event=self.log.event)
         self.collective = ShardedReduce(self.me, self.service, self.channels, self.traffic, agreement, sync, codec,
-                                        epoch_rounds, on_event=self.log.event)
+                                        epoch_rounds, on_event=self.log.event, combiner=combiner)
         self.collective.before_send = self._fault_hook
         self.key = GroupKey(o.run_name)
         if algo == "ddp":
             self.algo = DataParallel(self.trainer.model, self.trainer.optimizer, self.collective, self.key)
+        elif algo == "sparseloco":
+            self.algo = SparseLoCo(self.trainer.model, self.config.sparseloco, self.collective, self.key)
+        elif algo == "demo":  # the run's warm-up schedule, scaled to DeMo's own lr
+            lr_at = lambda step: self.trainer.lr_at(step) * self.config.demo.lr / self.config.inner.lr  # noqa: E731
+            self.algo = Demo(self.trainer.model, self.config.demo, self.collective, self.key, lr_at)
         else:
             self.algo = DiLoCo(self.trainer.model, self.config.diloco, self.collective, self.key)
-        self.rounds_per_sync = 1 if algo == "ddp" else self.config.diloco.inner_steps
+        self.rounds_per_sync = self.config.steps_per_sync
         self.log.event("start", endpoint=self.endpoint, client_mode=self.client_mode, algo=algo,
                        device=device.type, config_hash=self.config.config_hash(), data_shard=shard,
                        link=str(o.link) if o.link is not None else None)
@@ -145,7 +157,7 @@ class Peer:
 
     def _round_boundary_for(self, completed: int) -> int:
         """The first round at which a newcomer can enter when others hold `completed` rounds."""
-        if self.config.run.algo == "ddp":
+        if self.config.per_step:
             epoch = self.config.ddp.epoch_steps
             return (completed // epoch + 1) * epoch
         return completed + 1
@@ -221,7 +233,7 @@ class Peer:
 
     def _catch_up(self, round_: int, late: NotInRound) -> RoundResult | None:
         """A DiLoCo peer left out of a round applies the round's result from its members; else resync."""
-        if self.config.run.algo == "ddp" or late.manifest is None:
+        if self.config.per_step or late.manifest is None:
             self._resync(f"round {round_}: {late}")
             return None
         try:
@@ -283,16 +295,17 @@ class Peer:
             if first_step_t is None:
                 first_step_t = time.time()
             self.trainer.forward_backward()
-            if self.config.run.algo == "ddp":
+            if self.config.per_step:
                 if not self._sync(self.step):
                     continue
-                self.trainer.optimizer_step(self.step)
+                if self.config.run.algo == "ddp":  # DeMo's sync applied its own update
+                    self.trainer.optimizer_step(self.step)
             else:
                 self.trainer.optimizer_step(self.step)
             self.step += 1
             self.steps_done += 1
             self.record.step = self.step
-            if self.config.run.algo == "diloco" and self.step % self.rounds_per_sync == 0:
+            if not self.config.per_step and self.step % self.rounds_per_sync == 0:
                 self._sync(self.round)
             if self._pending_eval is not None:
                 self._maybe_evaluate(*self._pending_eval)
@@ -305,7 +318,7 @@ class Peer:
 
     def _sync(self, round_: int) -> bool:
         """One collective round; True when this peer applied the agreed aggregate."""
-        is_ddp = self.config.run.algo == "ddp"
+        is_ddp = self.config.per_step  # ddp and DeMo: per-step syncs in membership epochs
         if is_ddp and round_ % self.config.ddp.epoch_steps == 0:
             self._publish_snapshot()  # a ddp joiner enters at an epoch boundary with this state
             if round_ > 0:

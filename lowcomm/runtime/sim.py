@@ -329,10 +329,10 @@ class Simulation:
         if plan is None:
             return None
         algo = self.config.run.algo
-        steps_per_round = 1 if algo == "ddp" else self.config.diloco.inner_steps
+        steps_per_round = self.config.steps_per_sync
         return ChurnExecutor(plan, self, seed=self.config.run.seed,
                              total_rounds=self.config.run.steps // steps_per_round,
-                             epoch_rounds=self.config.ddp.epoch_steps if algo == "ddp" else 1)
+                             epoch_rounds=self.config.ddp.epoch_steps if self.config.per_step else 1)
 
     def run(self) -> dict:
         started = time.time()
