@@ -93,7 +93,7 @@ def scenario(tmp_path_factory):
         sim.release(peers)
         wait_until(lambda: any(r["type"] == "round" and r["round"] >= 2 for r in sim.records()), 300, "round 2")
         first = events(sim.records(), "start")
-        target = sorted(first, key=lambda r: r["t"])[0]
+        target = [r for r in first if r.get("data_shard") == 0][0]  # a peer with no fault hook
         out["hostile_target"] = target["peer"]
         member = sorted(r["peer"] for r in first if r["peer"] != target["peer"])[0]
         current = max(r["round"] for r in sim.records() if r["type"] == "round") + 1
