@@ -14,12 +14,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lowcomm.algorithms.state import tensors_hash
+from lowcomm.algorithms.replica import OuterReplica
 from lowcomm.collectives.base import Collective, GroupKey, RoundResult
 from lowcomm.config import DilocoConfig
 
 
-class DiLoCo:
+class DiLoCo(OuterReplica):
     def __init__(self, model: nn.Module, config: DilocoConfig, collective: Collective, key: GroupKey):
         self.model = model
         self.config = config
@@ -47,25 +47,6 @@ class DiLoCo:
         self.outer.step()
         self.outer.zero_grad(set_to_none=True)
         self.load_phi_into_model()
-
-    def catch_up(self, round_: int, manifest) -> RoundResult:
-        """Apply the result of a round this replica was left out of (its own Δ is dropped)."""
-        result = self.collective.catch_up(self.key, round_, sum(p.numel() for p in self.phi), manifest)
-        self.apply(result)
-        return result
-
-    def sync(self, round_: int, weight: float, timeout: float | None = None) -> RoundResult:
-        result = self.start_sync(round_, weight).result(timeout)
-        self.apply(result)
-        return result
-
-    def load_phi_into_model(self) -> None:
-        with torch.no_grad():
-            for p, phi in zip(self.model.parameters(), self.phi):
-                p.copy_(phi.to(p.device, p.dtype))
-
-    def phi_hash(self) -> str:
-        return tensors_hash(self.phi)
 
     # ---- state for joiners, resyncs and checkpoints ------------------------------------------
 

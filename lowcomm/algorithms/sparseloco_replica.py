@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from lowcomm.algorithms.sparseloco import SparseLoCoConfig, SparseLoCoState, compress_all, median_norm_clip
-from lowcomm.algorithms.state import tensors_hash
+from lowcomm.algorithms.replica import OuterReplica
 from lowcomm.collectives.base import Collective, GroupKey, RoundResult
 from lowcomm.collectives.combiners import SparseBundle
 from lowcomm.compress import Codec, scatter_mean
@@ -36,7 +36,7 @@ def combiner(config: SparseLoCoConfig, shapes: Sequence[tuple[int, ...]]) -> Spa
     return SparseBundle(shapes, config.codec_for, combine)
 
 
-class SparseLoCo:
+class SparseLoCo(OuterReplica):
     def __init__(self, model: nn.Module, config: SparseLoCoConfig, collective: Collective, key: GroupKey):
         self.model = model
         self.config = config
@@ -62,24 +62,6 @@ class SparseLoCo:
             p.sub_(result.aggregate[offset:offset + p.numel()].reshape(p.shape), alpha=self.config.outer_lr)
             offset += p.numel()
         self.load_phi_into_model()
-
-    def sync(self, round_: int, weight: float, timeout: float | None = None) -> RoundResult:
-        result = self.start_sync(round_, weight).result(timeout)
-        self.apply(result)
-        return result
-
-    def catch_up(self, round_: int, manifest) -> RoundResult:
-        result = self.collective.catch_up(self.key, round_, sum(p.numel() for p in self.phi), manifest)
-        self.apply(result)
-        return result
-
-    def load_phi_into_model(self) -> None:
-        with torch.no_grad():
-            for p, phi in zip(self.model.parameters(), self.phi):
-                p.copy_(phi.to(p.device, p.dtype))
-
-    def phi_hash(self) -> str:
-        return tensors_hash(self.phi)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {f"phi.{name}": p for name, p in zip(self.names, self.phi)}
