@@ -64,6 +64,12 @@ print(json.dumps({"elapsed": ended - started, "started": started, "ended": ended
 """
 
 
+def default_sigint() -> None:
+    """A child of a shell that started this run in the background inherits SIGINT ignored, and
+    Python then never raises KeyboardInterrupt: give the child the default disposition back."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 # ---- without root ------------------------------------------------------------------------
 
 def test_subnets_avoid_every_host_network():
@@ -144,7 +150,7 @@ class Processes:
 
     def start(self, cmd: list[str], **kwargs) -> subprocess.Popen:
         process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-                                   start_new_session=True, **kwargs)
+                                   start_new_session=True, preexec_fn=default_sigint, **kwargs)
         self.started.append(process)
         return process
 

@@ -20,6 +20,12 @@ from lowcomm.cli import main
 from lowcomm.transport import netns
 from lowcomm.transport.netns import lab_objects, unavailable_reason
 
+
+def default_sigint() -> None:
+    """A child of a shell that started this run in the background inherits SIGINT ignored, and
+    Python then never raises KeyboardInterrupt: give the launcher the default disposition back."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[1]
 H, ROUNDS = 5, 3
@@ -153,7 +159,7 @@ def test_the_lab_goes_when_the_launcher_is_stopped(tmp_path, signum, code, nodes
     before = outside_state()
     launcher = subprocess.Popen(simulate_cmd(tmp_path, "--peers", "2", "--link", "50mbit:20ms"), cwd=REPO,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=default_sigint)
     try:
         tag = wait_until(lambda: lab_of(launcher.pid), 120, "the launcher's lab")
         wait_until(lambda: len(lab_objects(tag)["netns"]) == nodes and all(
