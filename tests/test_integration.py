@@ -4,14 +4,13 @@ never on durations; every wait has a deadline."""
 
 from __future__ import annotations
 
-import json
 import random
-import time
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
+from children import wait_until
 
 from lowcomm.compress import get_codec
 from lowcomm.config import default_config
@@ -24,14 +23,6 @@ H, ROUNDS, STALL_ROUND, LATE_ROUND = 10, 10, 5, 7
 FAULTS = {3: f"stall-sync@{STALL_ROUND}", 2: f"late-announce@{LATE_ROUND}"}
 
 
-def wait_until(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def small_config(steps):

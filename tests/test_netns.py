@@ -14,9 +14,9 @@ import selectors
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
+from children import default_sigint, wait_until
 
 from lowcomm.transport import netns
 from lowcomm.transport.netns import (BURST_S, FRAME_BYTES, HtbParams, NetnsError, NetnsLab, NetnsUnavailable,
@@ -64,10 +64,6 @@ print(json.dumps({"elapsed": ended - started, "started": started, "ended": ended
 """
 
 
-def default_sigint() -> None:
-    """A child of a shell that started this run in the background inherits SIGINT ignored, and
-    Python then never raises KeyboardInterrupt: give the child the default disposition back."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 # ---- without root ------------------------------------------------------------------------
@@ -136,12 +132,6 @@ def read_line(process: subprocess.Popen, timeout: float = 60) -> str:
     return line.strip()
 
 
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not within {timeout}s")
-        time.sleep(0.05)
 
 
 class Processes:
@@ -294,7 +284,7 @@ def test_cleanup_stale_removes_the_lab_of_a_killed_owner(processes):
 def test_reaper_removes_the_lab_when_its_owner_is_killed(processes):
     before = outside_state()
     _, tag, child = start_owner(processes, "reaper")
-    wait_until(lambda: not (netns.RUN_DIR / tag).exists(), 60, "the reaper's cleanup")
+    wait_until(lambda: not (netns.RUN_DIR / tag).exists(), 60, "the reaper's cleanup", poll_s=0.05)
     assert netns._process_start(child) is None
     assert_gone(tag, before)
 

@@ -11,20 +11,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from children import default_sigint, wait_until
 
 from lowcomm.cli import main
 from lowcomm.transport import netns
 from lowcomm.transport.netns import lab_objects, unavailable_reason
-
-
-def default_sigint() -> None:
-    """A child of a shell that started this run in the background inherits SIGINT ignored, and
-    Python then never raises KeyboardInterrupt: give the launcher the default disposition back."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[1]
@@ -67,17 +61,6 @@ def processes_mentioning(*needles: str) -> list[str]:
             if any(needle in cmdline for needle in needles):
                 found.append(f"{entry}: {cmdline[:200]}")
     return found
-
-
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not within {timeout}s")
-        time.sleep(0.2)
 
 
 def assert_lab_gone(tag: str, before: tuple[set[str], set[str]], *needles: str) -> None:

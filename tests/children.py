@@ -1,0 +1,25 @@
+"""Helpers for tests that start and watch child processes: a bounded wait on a condition, and
+the SIGINT disposition a child needs to see Ctrl-C."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+
+def wait_until(predicate, timeout: float, what: str, poll_s: float = 0.2):
+    """The first truthy value of ``predicate()``, polled until ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not within {timeout}s")
+        time.sleep(poll_s)
+
+
+def default_sigint() -> None:
+    """A child of a shell that started this run in the background inherits SIGINT ignored, and
+    Python then never raises KeyboardInterrupt: give the child the default disposition back."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
