@@ -131,6 +131,7 @@ class Simulation:
     processes: list[Process] = field(default_factory=list)
     lab: NetnsLab | None = None  # namespace mode: opened by open_lab() (or the first process), closed by close()
     node_indices: dict[str, int | None] = field(default_factory=dict)  # node name -> peer index (None: coordinator)
+    wire_samples: list[tuple[float, int]] = field(default_factory=list)  # netns: (time.time(), peers' veth tx so far)
 
     @property
     def use_netns(self) -> bool:
@@ -184,6 +185,13 @@ class Simulation:
                 "control_bytes": sum(n["control_tx"] for n in nodes.values()),
                 "wire_bytes_peers": sum(n["tx"] for name, n in nodes.items() if n["index"] is not None),
                 "caps": caps, "netns_nodes": nodes, "netns_lab": self.lab.tag}
+
+    def sample_wire(self) -> None:
+        """Namespace mode: notes what the peers' nodes have sent so far (the report's `wire_timeline`)."""
+        if self.lab is None or self.lab.closed:
+            return
+        sent = sum(node.counters()["tx"] for node in self.lab.nodes if self.node_indices.get(node.name) is not None)
+        self.wire_samples.append((time.time(), sent))
 
     def start_coordinator(self, resume: Path | None = None) -> dict:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -286,6 +294,7 @@ class Simulation:
                 if churn is not None:
                     churn.poll(records)
                 done = sum(r.get("steps", 0) for r in _last_compute(records).values())
+                self.sample_wire()
                 if min(done, total) > bar.n:
                     bar.update(min(done, total) - bar.n)
                 time.sleep(0.2 if churn is not None else 1.0)
@@ -399,6 +408,9 @@ class Simulation:
                               model_params=torch_params, started_at=started, extra=extra, links_override=links)
         if self.lab is not None:
             report["wire_bytes_per_token"] = report["wire_bytes_peers"] / report["tokens"] if report["tokens"] else None
+            first_t = started + report["startup_s"]
+            # about once a second: what the peers had sent on the wire t seconds into training
+            report["wire_timeline"] = [{"t": t - first_t, "bytes": b} for t, b in self.wire_samples]
         return report
 
 

@@ -1,0 +1,278 @@
+"""Side by side on the same emulated network: lowcomm ddp, lowcomm's low-communication algorithms and
+hivemind.Optimizer(use_local_updates=True), training the reference model on the same data.
+
+    sudo python experiments/vs_hivemind.py [--rates 100 20] [--ddp-steps 300] [--peers 4]
+        [--systems ddp diloco hivemind] [--out experiments/out/vs_hivemind]
+
+Every row runs in namespace mode: each peer in its own network namespace with an htb cap of RATE
+Mbit/s each way and no added latency (`lowcomm simulate --netns --link RATEmbit`; hivemind: the
+same NetnsLab, one node per worker plus an uncapped node for its bootstrap DHT, as lowcomm's
+coordinator). Bytes are what the peers' nodes put on their veth links (Ethernet frames, headers,
+ACKs and DHT traffic included), counted the same way for every system; the bootstrap or
+coordinator node is not counted.
+
+ddp runs --ddp-steps steps per peer; its final held-out loss is the target. The others run up to
+2x ddp's tokens; a row's "time to target" is the wall time (from the first training step) of its
+first held-out evaluation at or below the target, its "bytes to target" what the peers had sent
+by then (interpolated in the ~1 s samples of the veth counters), else "not reached".
+
+Targets (BENCHMARKS.md): at 20 Mbit/s >= 5x faster than ddp to ddp's loss; at 100 Mbit/s >= 0.8 x
+the ceiling (t_compute + t_ddp_sync) / t_compute measured in the ddp row; vs hivemind >= 3x less
+time and >= 10x fewer bytes.
+
+A row whose JSON exists under OUT/ is not run again (the script resumes a killed session); the
+table OUT/table.md, OUT/results.json and the plots are rewritten after every row. Must run as root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from lowcomm.config import load_config  # noqa: E402
+from lowcomm.runtime.plots import compare_reports  # noqa: E402
+from lowcomm.transport.netns import NetnsLab  # noqa: E402
+
+from experiments.sync_worker import touch, wait_for  # noqa: E402
+
+HIVEMIND_WORKER = REPO / "experiments" / "hivemind_worker.py"
+BOOT_WORKER = REPO / "experiments" / "sync_worker.py"
+LOWCOMM_ALGOS = ("ddp", "diloco", "sparseloco", "demo", "streaming-diloco", "noloco")
+STARTUP_TIMEOUT_S = 600.0
+
+
+def row_name(system: str, rate: int, steps: int, peers: int) -> str:
+    return f"{system}-{rate}mbit-{steps}-p{peers}"
+
+
+# ---- lowcomm rows ------------------------------------------------------------------------------
+
+def run_lowcomm(out: Path, algo: str, rate: int, steps: int, peers: int, seed: int) -> dict:
+    name = row_name(algo, rate, steps, peers)
+    report_path = out / "runs" / f"{name}.report.json"
+    cmd = [sys.executable, "-m", "lowcomm.cli", "simulate", "--peers", str(peers), "--algo", algo,
+           "--steps", str(steps), "--seed", str(seed), "--netns", "--link", f"{rate}mbit",
+           "--report", str(report_path), "--run-dir", str(out / "runs" / name)]
+    subprocess.run(cmd, check=True)
+    report = json.loads(report_path.read_text())
+    return {"system": f"lowcomm {algo}", "algo": algo, "rate_mbit": rate, "steps": steps, "peers": peers,
+            "final_loss": report["final_loss"], "tokens": report["tokens"], "wall_s": report["wall_s"],
+            "compute_s": report["compute_s"], "wire_bytes": report["wire_bytes_peers"],
+            "evals": [{k: e[k] for k in ("t", "tokens", "loss")} for e in report["evals"]],
+            "wire_timeline": report["wire_timeline"], "report": str(report_path.relative_to(out))}
+
+
+# ---- hivemind rows -----------------------------------------------------------------------------
+
+def _spawn(node, cmd: list[str], log: Path) -> subprocess.Popen:
+    with log.open("w") as f:
+        return subprocess.Popen(node.wrap(cmd), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _kill_groups(procs: list[subprocess.Popen]) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in procs:
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 10
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+def _wait(paths: list[Path], procs: list[subprocess.Popen], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() for p in paths):
+        dead = [p.args[-1] for p in procs if p.poll() not in (None, 0)]
+        if dead or time.monotonic() > deadline:
+            raise RuntimeError(f"{what}: {'a process exited' if dead else 'timed out'}; "
+                               f"missing {[p.name for p in paths if not p.exists()][:4]}")
+        time.sleep(0.05)
+
+
+def run_hivemind(out: Path, rate: int, steps: int, peers: int, config: str | None) -> dict:
+    row_dir = out / "runs" / row_name("hivemind", rate, steps, peers)
+    row_dir.mkdir(parents=True, exist_ok=True)
+    for stale in row_dir.iterdir():
+        stale.unlink()
+    procs: list[subprocess.Popen] = []
+    samples: list[tuple[float, int]] = []
+    with NetnsLab() as lab:
+        boot_node = lab.add_node("boot")
+        workers = [lab.add_node(f"w{i}", rate=rate * 1e6) for i in range(peers)]
+        try:
+            procs.append(_spawn(boot_node, [sys.executable, str(BOOT_WORKER), "boot", "--system", "hivemind",
+                                            "--dir", str(row_dir), "--host", boot_node.address], row_dir / "boot.log"))
+            _wait([row_dir / "boot.json"], procs, STARTUP_TIMEOUT_S, "hivemind bootstrap")
+            for i, node in enumerate(workers):
+                cmd = [sys.executable, str(HIVEMIND_WORKER), "--dir", str(row_dir), "--index", str(i),
+                       "--peers", str(peers), "--steps", str(steps), "--host", node.address]
+                if config:
+                    cmd += ["--config", config]
+                procs.append(_spawn(node, cmd, row_dir / f"worker-{i}.log"))
+            _wait([row_dir / f"ready-{i}" for i in range(peers)], procs, STARTUP_TIMEOUT_S, "hivemind workers")
+            touch(row_dir / "go")
+            deadline = time.monotonic() + max(3600.0, steps * 10.0)
+            while any(p.poll() is None for p in procs[1:]):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"hivemind workers still running after {steps * 10:.0f}s")
+                samples.append((time.time(), sum(n.counters()["tx"] for n in workers)))
+                time.sleep(1.0)
+            samples.append((time.time(), sum(n.counters()["tx"] for n in workers)))
+            failed = [i for i, p in enumerate(procs[1:]) if p.returncode != 0]
+            if failed:
+                raise RuntimeError(f"hivemind workers {failed} failed; see {row_dir}/worker-*.log")
+        finally:
+            touch(row_dir / "stop")
+            _kill_groups(procs)
+        wire = sum(n.counters()["tx"] for n in workers)
+    logs = [[json.loads(line) for line in (row_dir / f"log-{i}.jsonl").read_text().splitlines()] for i in range(peers)]
+    done = [next(r for r in log if r["type"] == "done") for log in logs]
+    first_t = min(d["first_step_t"] for d in done)
+    evals = [{"t": r["t"] - first_t, "tokens": r["tokens"], "loss": r["loss"]} for r in logs[0] if r["type"] == "eval"]
+    final = sum(d["final_loss"] for d in done) / peers
+    evals.append({"t": max(d["last_step_t"] for d in done) - first_t, "tokens": sum(d["tokens"] for d in done),
+                  "loss": final, "final": True})
+    return {"system": "hivemind", "algo": "hivemind", "rate_mbit": rate, "steps": steps, "peers": peers,
+            "final_loss": final, "tokens": sum(d["tokens"] for d in done),
+            "wall_s": max(d["last_step_t"] for d in done) - first_t, "compute_s": sum(d["compute_s"] for d in done),
+            "wire_bytes": wire, "evals": evals, "epochs": [d["epoch"] for d in done],
+            "wire_timeline": [{"t": t - first_t, "bytes": b} for t, b in samples]}
+
+
+# ---- the table -----------------------------------------------------------------------------------
+
+def bytes_at(timeline: list[dict], t: float) -> float | None:
+    """What the peers had sent t seconds into training, interpolated between the counter samples."""
+    before = [s for s in timeline if s["t"] <= t]
+    after = [s for s in timeline if s["t"] >= t]
+    if not before or not after:
+        return None
+    a, b = before[-1], after[0]
+    if b["t"] == a["t"]:
+        return float(a["bytes"])
+    return a["bytes"] + (b["bytes"] - a["bytes"]) * (t - a["t"]) / (b["t"] - a["t"])
+
+
+def to_target(row: dict, target: float) -> dict:
+    """When (s from the first step), after how many bytes (sent from the first step on) and tokens the
+    row's held-out loss first reached `target`; Nones if it never did."""
+    hit = next((e for e in row["evals"] if e["loss"] <= target), None)
+    if hit is None:
+        return {"time_s": None, "bytes": None, "tokens": None}
+    timeline = row["wire_timeline"]
+    start = bytes_at(timeline, 0.0)
+    start = timeline[0]["bytes"] if start is None else start
+    sent = bytes_at(timeline, hit["t"])
+    return {"time_s": hit["t"], "bytes": None if sent is None else sent - start, "tokens": hit["tokens"]}
+
+
+def _fmt(x, spec: str, none: str = "not reached") -> str:
+    return none if x is None else format(x, spec)
+
+
+def table(rows: dict, peers: int) -> str:
+    lines = ["| link | system | steps/peer | final loss | time to ddp's loss s | wire bytes to it | speed-up vs ddp "
+             "| vs hivemind: time, bytes | wire bytes/token | compute util. | wall s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    notes = []
+    for rate in sorted({r["rate_mbit"] for r in rows.values()}, reverse=True):
+        at = [r for r in rows.values() if r["rate_mbit"] == rate]
+        ddp = next((r for r in at if r["algo"] == "ddp"), None)
+        hive = next((r for r in at if r["algo"] == "hivemind"), None)
+        target = ddp["final_loss"] if ddp else None
+        hive_hit = to_target(hive, target) if hive and target is not None else None
+        for r in sorted(at, key=lambda r: (r["algo"] != "ddp", r["algo"] == "hivemind", r["algo"])):
+            hit = to_target(r, target) if target is not None else {"time_s": None, "bytes": None}
+            speed = ddp["wall_s"] / hit["time_s"] if ddp and hit["time_s"] else None
+            vs_h = "n/a"
+            if hive_hit and hit["time_s"] and r is not hive and r is not ddp:
+                if hive_hit["time_s"]:
+                    vs_h = f"{hive_hit['time_s'] / hit['time_s']:.1f}x, {hive_hit['bytes'] / hit['bytes']:.1f}x"
+                else:
+                    vs_h = "hivemind did not reach it"
+            util = r["compute_s"] / (r["peers"] * r["wall_s"]) if r["wall_s"] else None
+            lines.append(f"| {rate} Mbit/s | {r['system']} | {r['steps']} | {r['final_loss']:.4f} | "
+                         f"{_fmt(hit['time_s'], '.0f')} | {_fmt(hit['bytes'] and hit['bytes'] / 1e6, '.1f', 'n/a')} MB | "
+                         f"{_fmt(speed, '.2f', 'n/a')}x | {vs_h} | {r['wire_bytes'] / r['tokens']:.1f} | "
+                         f"{_fmt(util, '.2f', 'n/a')} | {r['wall_s']:.0f} |")
+        if ddp:
+            per_step = ddp["wall_s"] / ddp["steps"]
+            compute = ddp["compute_s"] / (ddp["peers"] * ddp["steps"])
+            ceiling = per_step / compute
+            notes.append(f"- {rate} Mbit/s: ddp's target loss {target:.4f}; a ddp step took {per_step:.3f} s of which "
+                         f"{compute:.3f} s compute per peer: ceiling (t_compute + t_ddp_sync) / t_compute = "
+                         f"{ceiling:.1f}x, 0.8 x ceiling = {0.8 * ceiling:.1f}x.")
+    return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"
+
+
+def plot(rows: dict, out: Path) -> list[Path]:
+    written = []
+    for rate in sorted({r["rate_mbit"] for r in rows.values()}):
+        reports = {}
+        for r in rows.values():
+            if r["rate_mbit"] != rate:
+                continue
+            evals = [{**e, "bytes": bytes_at(r["wire_timeline"], e["t"]) or r["wire_bytes"]}
+                     for e in r["evals"] if not e.get("final")]
+            reports[r["system"]] = {"evals": evals, "bytes_sent": r["wire_bytes"]}
+        written.append(compare_reports(reports, out / f"loss-{rate}mbit.png",
+                                       f"{rate} Mbit/s per peer, no added latency (bytes: veth frames of the peers)"))
+    return written
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rates", type=int, nargs="+", default=[100, 20], help="Mbit/s per peer, each way")
+    parser.add_argument("--ddp-steps", type=int, default=300)
+    parser.add_argument("--systems", nargs="+", default=["ddp", "diloco", "sparseloco", "demo", "hivemind"],
+                        help=f"hivemind and lowcomm algorithms: {', '.join(LOWCOMM_ALGOS)}")
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--config", default=None, help="a lowcomm TOML for hivemind's workers (default: embedded)")
+    parser.add_argument("--out", type=Path, default=Path("experiments/out/vs_hivemind"))
+    parser.add_argument("--table-only", action="store_true")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    load_config(args.config)  # a bad config fails here, before any namespace
+    cells = [(s, r) for r in args.rates for s in ["ddp"] + [s for s in args.systems if s != "ddp"]]
+    rows, started, ran = {}, time.time(), 0
+    for i, (system, rate) in enumerate(cells):
+        steps = args.ddp_steps if system == "ddp" else 2 * args.ddp_steps
+        name = row_name(system, rate, steps, args.peers)
+        path = args.out / f"{name}.json"
+        if not path.exists() and not args.table_only:
+            t0 = time.time()
+            print(f"[{i + 1}/{len(cells)}] {name} ...", flush=True)
+            if system == "hivemind":
+                row = run_hivemind(args.out, rate, steps, args.peers, args.config)
+            else:
+                row = run_lowcomm(args.out, system, rate, steps, args.peers, args.seed)
+            path.write_text(json.dumps(row, indent=1))
+            ran += 1
+            left = sum(1 for s, r in cells[i + 1:]
+                       if not (args.out / f"{row_name(s, r, args.ddp_steps if s == 'ddp' else 2 * args.ddp_steps, args.peers)}.json").exists())
+            eta = (time.time() - started) / ran * left
+            print(f"[{i + 1}/{len(cells)}] {name}: loss {row['final_loss']:.4f}, {time.time() - t0:.0f}s; "
+                  f"ETA {eta / 60:.0f} min for {left} rows", flush=True)
+        if path.exists():
+            rows[name] = json.loads(path.read_text())
+        (args.out / "table.md").write_text(table(rows, args.peers))
+        (args.out / "results.json").write_text(json.dumps(rows, indent=1))
+        plot(rows, args.out)
+    print(table(rows, args.peers))
+
+
+if __name__ == "__main__":
+    main()
