@@ -60,6 +60,9 @@ def _add_simulate(sub) -> None:
     simulate.add_argument("--inner-steps", type=int, help="H of the chosen algorithm (diloco.inner_steps or "
                           "sparseloco.inner_steps)")
     simulate.add_argument("--codec", choices=["fp32", "uint8"], help="DiLoCo payload codec")
+    simulate.add_argument("--overlap", action="store_true", default=None,
+                          help="DiLoCo and SparseLoCo: one-step-delay overlap, compute does not wait for the "
+                               "reduce (overrides diloco.overlap and sparseloco.overlap)")
     simulate.add_argument("--report", type=Path, default=Path("report.json"))
     simulate.add_argument("--run-dir", type=Path, help="folder for logs and peer records (default: beside the report)")
     simulate.add_argument("--link", metavar="RATE[:LATENCY]",
@@ -152,7 +155,8 @@ def simulate(args) -> int:
     config = config.override({"run.steps": args.steps,
                               "run.seed": args.seed, inner_steps_key: args.inner_steps,
                               "diloco.codec": args.codec, "link.default": args.link,
-                              "churn.spec": args.churn, "link.netns": args.netns})
+                              "churn.spec": args.churn, "link.netns": args.netns,
+                              "diloco.overlap": args.overlap, "sparseloco.overlap": args.overlap})
     run_dir = args.run_dir or args.report.with_suffix("").with_name(args.report.stem + "-run")
     links = sorted({config.link.spec_for(i) or "unshaped" for i in range(args.peers)})
     churn = f", churn {parse_churn(config.churn.spec)}" if parse_churn(config.churn.spec) else ""

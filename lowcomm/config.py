@@ -77,6 +77,7 @@ class DilocoConfig:
     outer_momentum: float = 0.9
     nesterov: bool = True
     codec: str = "uint8"
+    overlap: bool = False  # one-step-delay overlap (ALGORITHMS.md §1)
 
 
 @dataclass
@@ -164,6 +165,12 @@ class RunConfig:
         if self.per_step:
             return 1
         return self.sparseloco.inner_steps if self.run.algo == "sparseloco" else self.diloco.inner_steps
+
+    @property
+    def overlap(self) -> bool:
+        """One-step-delay overlap: the run's DiLoCo or SparseLoCo reduces run during the next round."""
+        return ((self.run.algo == "diloco" and self.diloco.overlap)
+                or (self.run.algo == "sparseloco" and self.sparseloco.overlap))
 
     @property
     def per_step(self) -> bool:

@@ -30,23 +30,17 @@ class DiLoCo(OuterReplica):
         self.outer = torch.optim.SGD(self.phi, lr=config.outer_lr, momentum=config.outer_momentum,
                                      nesterov=config.nesterov and config.outer_momentum > 0)
 
-    def pseudo_gradient(self) -> torch.Tensor:
-        """Δ = φ − θ, flattened, on the CPU in float32."""
-        theta = torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in self.model.parameters()])
-        return torch.cat([p.detach().reshape(-1) for p in self.phi]) - theta
+    def start_sync_delta(self, round_: int, delta: list[torch.Tensor], weight: float):
+        return self.collective.start(self.key, round_, torch.cat([d.reshape(-1) for d in delta]), weight)
 
-    def start_sync(self, round_: int, weight: float):
-        return self.collective.start(self.key, round_, self.pseudo_gradient(), weight)
-
-    def apply(self, result: RoundResult) -> None:
-        """The outer step on the agreed aggregate, then θ ← φ."""
+    def step_outer(self, result: RoundResult) -> None:
+        """φ ← OuterSGD(φ, grad = the agreed aggregate)."""
         offset = 0
         for p in self.phi:
             p.grad = result.aggregate[offset:offset + p.numel()].reshape(p.shape).clone()
             offset += p.numel()
         self.outer.step()
         self.outer.zero_grad(set_to_none=True)
-        self.load_phi_into_model()
 
     # ---- state for joiners, resyncs and checkpoints ------------------------------------------
 

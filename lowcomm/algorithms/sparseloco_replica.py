@@ -46,22 +46,18 @@ class SparseLoCo(OuterReplica):
         self.phi = [p.detach().to("cpu", torch.float32).clone() for p in model.parameters()]
         self.state = SparseLoCoState.zeros_like(self.phi)
 
-    def pseudo_gradients(self) -> list[torch.Tensor]:
-        """Δ = φ − θ per parameter, on the CPU in float32."""
-        return [phi - p.detach().to("cpu", torch.float32) for phi, p in zip(self.phi, self.model.parameters())]
-
-    def start_sync(self, round_: int, weight: float):
-        payloads = compress_all(self.state, self.pseudo_gradients(), self.config)
+    def start_sync_delta(self, round_: int, delta: list[torch.Tensor], weight: float):
+        """Folds Δ into the error-feedback residuals and sends one top-k payload per parameter."""
+        payloads = compress_all(self.state, delta, self.config)
         return self.collective.start(self.key, round_, payloads, weight)
 
     @torch.no_grad()
-    def apply(self, result: RoundResult) -> None:
-        """φ ← φ − η_out · aggregate, then θ ← φ."""
+    def step_outer(self, result: RoundResult) -> None:
+        """φ ← φ − η_out · aggregate."""
         offset = 0
         for p in self.phi:
             p.sub_(result.aggregate[offset:offset + p.numel()].reshape(p.shape), alpha=self.config.outer_lr)
             offset += p.numel()
-        self.load_phi_into_model()
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {f"phi.{name}": p for name, p in zip(self.names, self.phi)}

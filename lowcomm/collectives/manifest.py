@@ -105,19 +105,31 @@ class ManifestAgreement:
         self.control.publish_manifest(group, round_, manifest.to_dict(), ttl)
         logger.info("round %d: wrote the manifest for %d members", round_, len(members))
 
+    def read(self, group: str, round_: int) -> Manifest | None:
+        """The manifest every member of the round follows (this peer a member or not); None if none yet."""
+        return _first_valid(self.control.manifests(group, round_), group, round_)
+
     def _follow(self, manifests: dict[str, dict], group: str, round_: int) -> Manifest:
         # A brief second look lets a lower-id leader's manifest that raced ours win everywhere.
         time.sleep(POLL_S * 2)
         manifests = self.control.manifests(group, round_) or manifests
-        for writer in sorted(manifests):
-            try:
-                manifest = Manifest.from_dict(manifests[writer])
-            except (KeyError, TypeError, ValueError) as e:
-                logger.warning("ignored a malformed manifest from %s: %s", writer, e)
-                continue
-            if manifest.round != round_ or manifest.group != group:
-                continue
-            if self.me not in manifest.members:
-                raise NotInRound(f"round {round_}: this peer is not in the manifest (announced too late)", manifest)
-            return manifest
-        raise CollectiveError(f"round {round_}: every manifest was malformed")
+        manifest = _first_valid(manifests, group, round_)
+        if manifest is None:
+            raise CollectiveError(f"round {round_}: every manifest was malformed")
+        if self.me not in manifest.members:
+            raise NotInRound(f"round {round_}: this peer is not in the manifest (announced too late)", manifest)
+        return manifest
+
+
+def _first_valid(manifests: dict[str, dict], group: str, round_: int) -> Manifest | None:
+    """The lowest-id writer's well-formed manifest for (group, round_): the one all readers follow."""
+    for writer in sorted(manifests or {}):
+        try:
+            manifest = Manifest.from_dict(manifests[writer])
+        except (KeyError, TypeError, ValueError) as e:
+            logger.warning("ignored a malformed manifest from %s: %s", writer, e)
+            continue
+        if manifest.round != round_ or manifest.group != group:
+            continue
+        return manifest
+    return None

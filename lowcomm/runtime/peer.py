@@ -26,6 +26,7 @@ from lowcomm.algorithms.ddp import DataParallel
 from lowcomm.algorithms.demo_replica import Demo
 from lowcomm.algorithms.demo_replica import combiner as demo_combiner
 from lowcomm.algorithms.diloco import DiLoCo
+from lowcomm.algorithms.overlapped import Overlapped
 from lowcomm.algorithms.sparseloco_replica import SparseLoCo
 from lowcomm.algorithms.sparseloco_replica import combiner as sparseloco_combiner
 from lowcomm.collectives.base import CollectiveError, GroupKey, NotInRound, RoundResult
@@ -120,6 +121,8 @@ class Peer:
             self.algo = Demo(self.trainer.model, self.config.demo, self.collective, self.key, lr_at)
         else:
             self.algo = DiLoCo(self.trainer.model, self.config.diloco, self.collective, self.key)
+        if self.config.overlap:
+            self.algo = Overlapped(self.algo, lambda round_: agreement.read(self.key.group, round_))
         self.rounds_per_sync = self.config.steps_per_sync
         self.log.event("start", endpoint=self.endpoint, client_mode=self.client_mode, algo=algo,
                        device=device.type, config_hash=self.config.config_hash(), data_shard=shard,
@@ -206,6 +209,8 @@ class Peer:
                 continue
             self.algo.load_state_tensors(tensors)
             self.round, self.tokens_global = int(state.round), int(state.tokens)
+            if self.config.overlap:
+                self.algo.enter(self.round)  # the round in flight when the state was taken lands at our first sync
             self.step = self.round * self.rounds_per_sync
             self.collective.end_epoch(self.key)
             self._publish_snapshot()
@@ -328,9 +333,9 @@ class Peer:
         self._late_announce_hook(round_)
         bytes_before, t0 = self.traffic.sent, time.time()
         weight = self.trainer.tokens_per_step * (1 if is_ddp else self.rounds_per_sync)
+        timeout = self.config.sync.reduce_timeout_s * 3 + self.config.sync.announce_s + self.config.sync.manifest_s * 8
         try:
-            result = self.algo.sync(round_, weight, timeout=self.config.sync.reduce_timeout_s * 3
-                                    + self.config.sync.announce_s + self.config.sync.manifest_s * 8)
+            result = self.algo.sync(round_, weight, timeout=timeout)
         except NotInRound as e:
             result = self._catch_up(round_, e)
             if result is None:
@@ -339,20 +344,42 @@ class Peer:
             self._resync(f"round {round_}: {e}")
             return False
         self.round = round_ + 1
-        self.tokens_global += weight * len(result.contributors)
         self.record.round = self.round
+        if result is not None:  # with overlap: the previous round's, none at the first
+            self._completed(result, result.info.get("round", round_), weight, t0, bytes_before)
+        if self.config.overlap and self.step >= self.config.run.steps:
+            self._drain(weight, timeout)
         phi_hash = self.algo.phi_hash()
         if not is_ddp or self.round % self.config.ddp.epoch_steps == 0:
             self.control.publish_phi_hash(self.key.group, self.round, phi_hash, self.config.sync.record_ttl_s * 6)
         if not is_ddp:  # ddp's state is complete only after the optimizer step: it snapshots at epoch starts
             self._publish_snapshot()
-        self.log.write("round", round=round_, t0=t0, sync_s=time.time() - t0, bytes=self.traffic.sent - bytes_before,
-                       participants=result.participants, contributors=result.contributors, phi_hash=phi_hash,
-                       tokens=weight * len(result.contributors), tokens_global=self.tokens_global,
-                       leader=result.info.get("leader"), manifest_s=result.info.get("manifest_s"),
-                       reduce_s=result.info.get("reduce_s"))
-        self._pending_eval = (weight * len(result.contributors), result.info.get("leader") == self.me)
         return True
+
+    def _drain(self, weight: int, timeout: float) -> None:
+        """Overlap, end of training: the last round's reduce lands and θ ← φ."""
+        bytes_before, t0 = self.traffic.sent, time.time()
+        try:
+            result = self.algo.drain(timeout)
+        except (CollectiveError, TimeoutError) as e:  # the final φ misses one round's average; say so
+            self.log.event("drain_failed", round=self.round - 1, error=str(e)[:200])
+            self.algo.inner.load_phi_into_model()
+            return
+        if result is not None:
+            self._completed(result, result.info.get("round", self.round - 1), weight, t0, bytes_before)
+
+    def _completed(self, result: RoundResult, round_: int, weight: int, t0: float, bytes_before: int) -> None:
+        """A round's aggregate was applied: count its tokens, log it, schedule the evaluation."""
+        self.tokens_global += weight * len(result.contributors)
+        self.log.write("round", round=round_, t0=t0, sync_s=time.time() - t0, bytes=self.traffic.sent - bytes_before,
+                       participants=result.participants, contributors=result.contributors,
+                       phi_hash=self.algo.phi_hash(), tokens=weight * len(result.contributors),
+                       tokens_global=self.tokens_global, leader=result.info.get("leader"),
+                       manifest_s=result.info.get("manifest_s"), reduce_s=result.info.get("reduce_s"),
+                       caught_up=bool(result.info.get("caught_up")))
+        if result.info.get("caught_up") and self.config.overlap:
+            self.log.event("caught_up", round=round_, contributors=len(result.contributors))
+        self._pending_eval = (weight * len(result.contributors), result.info.get("leader") == self.me)
 
     def _maybe_evaluate(self, added_tokens: int, is_leader: bool) -> None:
         """The round's leader evaluates whenever the run crosses `eval_every_tokens`; everyone at the end."""
@@ -360,7 +387,11 @@ class Peer:
         final = self.step >= self.config.run.steps
         crossed = self.tokens_global // every != (self.tokens_global - added_tokens) // every
         if final or (is_leader and crossed):
-            loss = self.trainer.evaluate()
+            if self.config.overlap:  # the shared φ, not this replica's φ plus its unsynced progress
+                with self.algo.phi_loaded():
+                    loss = self.trainer.evaluate()
+            else:
+                loss = self.trainer.evaluate()
             self.log.write("eval", round=self.round, step=self.step, tokens=self.tokens_global, loss=loss,
                            final=final, phi_hash=self.algo.phi_hash())
 

@@ -1,0 +1,144 @@
+"""One-step-delay overlap on the real collective: round t's reduce runs during round t+1's inner steps.
+
+Wraps a DiLoCo or SparseLoCo replica (``OuterReplica``) and runs ALGORITHMS.md §1's recurrence
+with algorithms.overlap's pure helpers:
+
+    sync(t):  Δ_t = s_t − θ (θ = e_t, the end of round t's inner steps);  start the reduce of Δ_t
+              wait for round t−1's reduce (if any) → the outer step gives φ_{t−1}
+              θ ← s_{t+1} = φ_{t−1} − Δ_t
+    drain():  wait for the last reduce, θ ← φ (the end of training)
+
+``sync(t)`` returns round t−1's result (None at the first round), so the caller logs and counts a
+round when it completes, one round after it started. Error feedback (SparseLoCo) sees Δ_t
+unchanged, as ALGORITHMS.md says.
+
+Late and new replicas. A replica left out of round t−1's manifest learns it when it waits for that
+round (``NotInRound`` with the manifest): it fetches the round's agreed aggregate from the members
+(``fetch_round``), applies the same outer step and stays on the shared φ, losing only its own
+Δ_{t−1}. A replica that enters from a state download labelled round r holds φ_{r−2} (what the
+members held after launching round r−1), so ``enter(r)`` schedules round r−1's aggregate to be
+fetched the same way at its first sync: from then on it holds the members' φ. Any other failure
+of a pending round propagates as CollectiveError (the peer resyncs and ``enter``s again).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+
+import torch
+
+from lowcomm.algorithms.overlap import next_start, progress
+from lowcomm.algorithms.replica import OuterReplica
+from lowcomm.collectives.base import CollectiveError, NotInRound, RoundResult
+
+POLL_S = 0.1
+
+
+class _FetchRound:
+    """A pending round this replica did not take part in: its aggregate, fetched from its members."""
+
+    def __init__(self, round_: int, manifest_of: Callable[[int], object]):
+        self.round, self.manifest_of = round_, manifest_of
+
+    def result(self, timeout: float | None = None) -> RoundResult:
+        deadline = time.monotonic() + (timeout if timeout is not None else 60.0)
+        manifest = self.manifest_of(self.round)
+        while manifest is None and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            manifest = self.manifest_of(self.round)
+        if manifest is None:
+            raise CollectiveError(f"round {self.round}: no manifest to catch up from")
+        raise NotInRound(f"round {self.round} ran before this replica entered", manifest)
+
+
+class Overlapped:
+    def __init__(self, inner: OuterReplica, manifest_of: Callable[[int], object]):
+        """``manifest_of(round)``: the round's manifest, or None while there is none (the DHT)."""
+        self.inner = inner
+        self.manifest_of = manifest_of
+        self.start = self._theta()  # s_1 = φ_0
+        self.pending: tuple[int, object] | None = None
+
+    # the replica surface the peer uses
+    @property
+    def phi(self):
+        return self.inner.phi
+
+    @property
+    def model(self):
+        return self.inner.model
+
+    def phi_hash(self) -> str:
+        return self.inner.phi_hash()
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return self.inner.state_tensors()
+
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        return self.inner.expected_shapes()
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """φ (and the outer state) from a download; θ ← φ; nothing pending until ``enter``."""
+        self.inner.load_state_tensors(tensors)
+        self.start, self.pending = self._theta(), None
+
+    def enter(self, round_: int) -> None:
+        """After a download labelled ``round_``: round_ − 1's aggregate is still to be applied."""
+        if round_ > 0:
+            self.pending = (round_ - 1, _FetchRound(round_ - 1, self.manifest_of))
+
+    # ---- the recurrence ----------------------------------------------------------------------
+
+    def sync(self, round_: int, weight: float, timeout: float | None = None) -> RoundResult | None:
+        delta = progress(self.start, self._theta())
+        handle = self.inner.start_sync_delta(round_, delta, weight)
+        try:
+            finished = self._finish(timeout)
+        finally:
+            self.pending = (round_, handle)
+        self.start = next_start(self.inner.phi, delta)
+        self._load(self.start)
+        return finished
+
+    def drain(self, timeout: float | None = None) -> RoundResult | None:
+        """Completes the last reduce and sets θ ← φ: the end of training."""
+        finished = self._finish(timeout)
+        self.inner.load_phi_into_model()
+        self.start = self._theta()
+        return finished
+
+    @contextlib.contextmanager
+    def phi_loaded(self):
+        """θ ← φ for the duration (an evaluation of the shared model), then θ is put back."""
+        theta = self._theta()
+        self.inner.load_phi_into_model()
+        try:
+            yield
+        finally:
+            self._load(theta)
+
+    def _finish(self, timeout: float | None) -> RoundResult | None:
+        if self.pending is None:
+            return None
+        round_, handle = self.pending
+        self.pending = None
+        try:
+            result = handle.result(timeout)
+        except NotInRound as late:
+            if late.manifest is None:
+                raise
+            result = self.inner.fetch_round(round_, late.manifest)
+            result.info["caught_up"] = True
+        self.inner.step_outer(result)
+        result.info["round"] = round_
+        return result
+
+    def _theta(self) -> list[torch.Tensor]:
+        return [p.detach().to("cpu", torch.float32).clone() for p in self.inner.model.parameters()]
+
+    @torch.no_grad()
+    def _load(self, tensors: list[torch.Tensor]) -> None:
+        for p, t in zip(self.inner.model.parameters(), tensors):
+            p.copy_(t.to(p.device, p.dtype))

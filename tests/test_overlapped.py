@@ -1,0 +1,155 @@
+"""The one-step-delay overlap on the replica the peer runs (algorithms.overlapped.Overlapped).
+
+With a fixed gradient sequence (inner steps that ignore θ), ALGORITHMS.md §1 says the overlapped
+φ sequence is plain DiLoCo's, one round late: after sync(t) an overlapped replica holds φ_{t−1},
+and after drain() the final φ. A replica that enters from a download catches the round in flight
+up from its manifest.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lowcomm.algorithms.diloco import DiLoCo
+from lowcomm.algorithms.overlapped import Overlapped
+from lowcomm.collectives.base import GroupKey, InProcessGroup, NotInRound, RoundResult
+from lowcomm.config import DilocoConfig
+
+KEY = GroupKey("overlapped-test")
+REPLICAS, ROUNDS, H, LR = 3, 5, 4, 0.05
+
+
+def fixed_grads(seed: int = 0) -> list:
+    """grads[r][t][h]: one tensor per parameter, for replica r, round t, inner step h."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [tuple(p.shape) for p in make_model().parameters()]
+    return [[[[torch.randn(s, generator=g) for s in shapes] for _ in range(H)] for _ in range(ROUNDS)]
+            for _ in range(REPLICAS)]
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(7)
+    return nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+
+
+@torch.no_grad()
+def inner_steps(model: nn.Module, grads) -> None:
+    for step in grads:
+        for p, g in zip(model.parameters(), step):
+            p.sub_(LR * g)
+
+
+def replicas(overlap: bool):
+    group = InProcessGroup(REPLICAS)
+    out = []
+    for r in range(REPLICAS):
+        model = make_model()
+        replica = DiLoCo(model, DilocoConfig(outer_lr=0.7, outer_momentum=0.9), group.replica(r), KEY)
+        out.append(Overlapped(replica, manifest_of=lambda round_: None) if overlap else replica)
+    return out
+
+
+def phis(replica) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in replica.phi]
+
+
+def run(overlap: bool, grads) -> tuple[list, list]:
+    """φ after every round's sync on replica 0 (and every replica's final φ)."""
+    reps, history = replicas(overlap), []
+    for t in range(ROUNDS):
+        for r, rep in enumerate(reps):
+            inner_steps(rep.model, grads[r][t])
+        if overlap:
+            results = [rep.sync(t, 1.0, timeout=10) for rep in reps]  # the in-process group needs all to start
+            assert all((res is None) == (t == 0) for res in results)
+            if t > 0:
+                assert {res.info["round"] for res in results} == {t - 1}
+        else:
+            handles = [rep.start_sync(t, 1.0) for rep in reps]
+            for rep, h in zip(reps, handles):
+                rep.apply(h.result(10))
+        history.append(phis(reps[0]))
+    if overlap:
+        finals = [rep.drain(10) for rep in reps]
+        assert {res.info["round"] for res in finals} == {ROUNDS - 1}
+        history.append(phis(reps[0]))
+    return history, [[p.detach().clone() for p in rep.model.parameters()] for rep in reps]
+
+
+def close(a, b) -> bool:
+    return all(torch.allclose(x, y, atol=1e-6, rtol=0) for x, y in zip(a, b))
+
+
+def test_overlap_reproduces_plain_diloco_phi_one_round_late():
+    grads = fixed_grads()
+    plain, plain_models = run(False, grads)
+    lagged, lagged_models = run(True, grads)
+    assert close(lagged[0], phis(replicas(False)[0]))  # nothing applied after the first round: φ_0
+    for t in range(ROUNDS):
+        assert close(lagged[t + 1], plain[t]), f"φ after round {t} differs"
+    for a, b in zip(plain_models, lagged_models):  # after drain, θ = φ on every replica, as plain DiLoCo's
+        assert close(a, b)
+
+
+def test_overlap_keeps_own_progress_on_top_of_phi():
+    """s_{t+1} = φ_{t−1} − Δ_t: after sync(t) θ is φ plus exactly this replica's round-t progress."""
+    grads = fixed_grads(1)
+    reps = replicas(True)
+    for r, rep in enumerate(reps):
+        inner_steps(rep.model, grads[r][0])
+    before = [[p.detach().clone() for p in rep.model.parameters()] for rep in reps]
+    for rep in reps:
+        rep.sync(0, 1.0, timeout=10)
+    for r, rep in enumerate(reps):
+        theta = [p.detach() for p in rep.model.parameters()]
+        assert close(theta, before[r])  # φ_0 − Δ_0 = θ at the end of round 0: nothing landed yet
+    with reps[0].phi_loaded():
+        assert close([p.detach() for p in reps[0].model.parameters()], reps[0].phi)
+    assert close([p.detach() for p in reps[0].model.parameters()], before[0])  # put back
+
+
+class _Late:
+    """A handle that says this replica was left out of the round (with the round's manifest)."""
+
+    def result(self, timeout=None):
+        raise NotInRound("left out", manifest="the-manifest")
+
+
+def test_a_late_replica_applies_the_members_aggregate():
+    """NotInRound on the pending round: the aggregate is fetched from the members and applied."""
+    model = make_model()
+    group = InProcessGroup(1)
+    inner = DiLoCo(model, DilocoConfig(outer_lr=1.0, outer_momentum=0.0, nesterov=False), group.replica(0), KEY)
+    fetched = []
+    aggregate = torch.full((sum(p.numel() for p in inner.phi),), 0.5)
+
+    def fetch_round(round_, manifest):
+        fetched.append((round_, manifest))
+        return RoundResult(aggregate.clone(), ["someone"], ["someone"], {"leader": "someone"})
+
+    inner.fetch_round = fetch_round
+    replica = Overlapped(inner, manifest_of=lambda round_: None)
+    phi0 = phis(replica)
+    replica.pending = (3, _Late())
+    result = replica.drain(timeout=1)
+    assert fetched == [(3, "the-manifest")]
+    assert result.info["caught_up"] and result.info["round"] == 3
+    assert close(phis(replica), [p - 0.5 for p in phi0])  # plain SGD lr 1: φ − aggregate
+
+
+def test_an_entering_replica_fetches_the_round_in_flight():
+    """enter(r) after a download: round r − 1 is fetched from its manifest at the first sync."""
+    model = make_model()
+    inner = DiLoCo(model, DilocoConfig(outer_lr=1.0, outer_momentum=0.0, nesterov=False),
+                   InProcessGroup(1).replica(0), KEY)
+    asked = []
+    inner.fetch_round = lambda round_, manifest: (asked.append((round_, manifest)) or
+                                                  RoundResult(torch.zeros(sum(p.numel() for p in inner.phi)), ["a"]))
+    manifests = {4: "manifest-4"}
+    replica = Overlapped(inner, manifest_of=manifests.get)
+    replica.load_state_tensors(inner.state_tensors())
+    replica.enter(5)
+    result = replica.sync(5, 1.0, timeout=5)
+    assert asked == [(4, "manifest-4")] and result.info["round"] == 4
+    assert replica.pending[0] == 5
