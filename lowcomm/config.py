@@ -92,6 +92,7 @@ class SyncConfig:
     reduce_timeout_s: float = 20.0
     chunk_bytes: int = 1 << 20
     zstd_level: int = 1
+    max_contributors: int = 0  # G: the most members that send contributions in one round (0: all)
     heartbeat_s: float = 2.0
     record_ttl_s: float = 10.0
 

@@ -1,5 +1,9 @@
 """Round membership: peers announce for a round in the DHT and follow one manifest written by a leader.
 
+With `sync.max_contributors` = G > 0 the manifest also bounds the round's fan-in: only G members,
+the first G in the order of sha256(run ‖ group ‖ round ‖ peer id) (a fair rotation across rounds),
+send contributions; the other members receive the aggregate without adding to it.
+
 The leader is the lowest peer id among the announcers; if its manifest does not appear within
 `manifest_s`, the next announcer in id order writes one, and so on. Readers follow the manifest of
 the lowest-id writer they see. A manifest fixes the ordered member list, which members own a shard
@@ -9,9 +13,10 @@ per-step algorithms do not touch the DHT every step).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from lowcomm.collectives.base import CollectiveError, NotInRound
 from lowcomm.config import SyncConfig
@@ -32,6 +37,12 @@ class Manifest:
     endpoints: dict[str, str]
     owners: list[str]
     codec: str
+    contributors: list[str] = field(default_factory=list)  # empty: every member contributes
+
+    @property
+    def senders(self) -> list[str]:
+        """The members whose contributions the round's owners accept."""
+        return self.contributors or self.members
 
     def covers(self, round_: int) -> bool:
         return self.round <= round_ < self.round + self.epoch_rounds
@@ -41,7 +52,10 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "Manifest":
-        manifest = cls(**{k: raw[k] for k in cls.__dataclass_fields__})
+        manifest = cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k != "contributors"},
+                       contributors=list(raw.get("contributors") or []))
+        if not set(manifest.contributors) <= set(manifest.members):
+            raise ValueError("manifest names a contributor outside its members")
         if not manifest.owners or not set(manifest.owners) <= set(manifest.members):
             raise ValueError("manifest has no owners or an owner outside its members")
         if set(manifest.endpoints) != set(manifest.members):
@@ -101,7 +115,8 @@ class ManifestAgreement:
         members = sorted(p for p, v in announcers.items() if isinstance(v.get("endpoint"), str))
         owners = [p for p in members if not announcers[p].get("client_mode")]
         manifest = Manifest(self.control.run, group, round_, epoch_rounds, self.me, members,
-                            {p: announcers[p]["endpoint"] for p in members}, owners, codec)
+                            {p: announcers[p]["endpoint"] for p in members}, owners, codec,
+                            bounded_fan_in(self.control.run, group, round_, members, self.sync.max_contributors))
         self.control.publish_manifest(group, round_, manifest.to_dict(), ttl)
         logger.info("round %d: wrote the manifest for %d members", round_, len(members))
 
@@ -119,6 +134,15 @@ class ManifestAgreement:
         if self.me not in manifest.members:
             raise NotInRound(f"round {round_}: this peer is not in the manifest (announced too late)", manifest)
         return manifest
+
+
+def bounded_fan_in(run: str, group: str, round_: int, members: list[str], limit: int) -> list[str]:
+    """The round's contributors when at most ``limit`` may send (0: no bound, returns [] = everyone)."""
+    if limit <= 0 or len(members) <= limit:
+        return []
+    def key(peer: str) -> bytes:
+        return hashlib.sha256(b"\x00".join(x.encode() for x in (run, group, str(round_), peer))).digest()
+    return sorted(sorted(members, key=lambda peer: (key(peer), peer))[:limit])
 
 
 def _first_valid(manifests: dict[str, dict], group: str, round_: int) -> Manifest | None:

@@ -97,11 +97,15 @@ class ShardedReduce:
         bounds = self.combiner.shard_bounds(len(manifest.owners), self.combiner.numel(payload))
         my_shard = manifest.owners.index(self.me) if self.me in manifest.owners else None
         if my_shard is not None:
-            slot = self.slots.open(Slot(key.group, round_, my_shard, frozenset(manifest.members), bounds[my_shard],
+            slot = self.slots.open(Slot(key.group, round_, my_shard, frozenset(manifest.senders), bounds[my_shard],
                                         self.combiner, deadline))
         sends = {}
+        contributing = self.me in manifest.senders  # else (a bounded fan-in) it only receives the aggregate
         for j, owner in enumerate(manifest.owners):
-            if owner == self.me:
+            if not contributing:
+                if owner != self.me:
+                    sends[j] = self._pool.submit(self._receive, manifest, key, round_, j, bounds[j], deadline)
+            elif owner == self.me:
                 slot.add(self.me, self.combiner.own(payload, bounds[j]), weight)
             else:
                 sends[j] = self._pool.submit(self._send, manifest, key, round_, j,
@@ -112,6 +116,7 @@ class ShardedReduce:
             blob, contributors = slot.result()
             try:
                 replies[my_shard] = ShardReply(self.combiner.finish(blob, bounds[my_shard]), contributors, blob)
+                self.slots.hold(key.group, round_, my_shard, blob, contributors)  # servable to receivers now
             except ContributionRejected as e:
                 raise CollectiveError(f"round {round_}: this owner's own reply is unreadable: {e}") from None
         for j, future in sends.items():
@@ -142,7 +147,7 @@ class ShardedReduce:
             self.end_epoch(key)
             raise CollectiveError(f"round {round_}: no shard could be obtained from anyone")
         contributors = sorted(set.intersection(*kept))
-        absent = (set(manifest.members) - set(contributors)) | {manifest.owners[j] for j in lost}
+        absent = (set(manifest.senders) - set(contributors)) | {manifest.owners[j] for j in lost}
         if absent:  # the exclusion every member reads from the same owner replies
             if absent - timed_out:
                 self.on_event("timeout", round=round_, stage="reduce", excluded=sorted(absent - timed_out))
@@ -176,6 +181,19 @@ class ShardedReduce:
         reply = self._read_reply(replies, shard, bounds, len(manifest.members), call_deadline)
         # Held at once, not after every other shard: a member whose copy of this shard was lost
         # asks the others for it while they may still wait on slower owners.
+        self.slots.hold(key.group, round_, shard, reply.blob, reply.contributors)
+        return reply
+
+    def _receive(self, manifest: Manifest, key: GroupKey, round_: int, shard: int, bounds: tuple[int, int],
+                 deadline: float) -> ShardReply:
+        """A member outside the round's bounded fan-in: shard ``shard``'s aggregate from its owner."""
+        while True:
+            reply = self._fill_hole(manifest, key, round_, shard, bounds, ask_owner=True,
+                                    wait_s=min(5.0, max(0.1, deadline - time.monotonic())))
+            if reply is not None:
+                break
+            if time.monotonic() >= deadline:
+                raise CollectiveError(f"owner of shard {shard} did not send its aggregate")
         self.slots.hold(key.group, round_, shard, reply.blob, reply.contributors)
         return reply
 
