@@ -85,7 +85,7 @@ class MemorySampler(threading.Thread):
     def __init__(self, sim: Simulation, period: float = 1.0):
         super().__init__(daemon=True)
         self.sim, self.period = sim, period
-        self.peak_total, self.peak: dict = 0, {}
+        self.peak_total, self.peak = 0, {}
         self.max_per_peer, self.samples = 0, 0
         self._halt = threading.Event()
 
