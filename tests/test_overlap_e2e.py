@@ -10,7 +10,7 @@ from lowcomm.config import default_config
 from lowcomm.runtime.sim import Simulation
 
 pytestmark = pytest.mark.integration
-H, ROUNDS, LATE_ROUND, JOIN_AFTER = 5, 10, 4, 2
+H, ROUNDS, LATE_ROUND, JOIN_AFTER = 5, 12, 5, 1
 
 
 def config(algo: str):
@@ -40,10 +40,13 @@ def scenario(request, tmp_path_factory):
     try:
         sim.start_coordinator()
         peers = [sim.start_peer(i, fault=f"late-announce@{LATE_ROUND}" if i == 2 else None) for i in range(3)]
+        join_file = sim.run_dir / "join"  # the joiner waits parked, connected, until it is its time
+        joiner = sim.start_peer(3, start_file=join_file)
+        sim.wait_ready([joiner])
         sim.release(peers)
         wait_until(lambda: any(r["type"] == "round" and r["round"] >= JOIN_AFTER for r in sim.records()), 300,
                    f"round {JOIN_AFTER}")
-        joiner = sim.start_peer(3, park=False)
+        join_file.touch()
         sim.wait_peers(peers + [joiner], timeout=900)
         out["exit_codes"] = [p.popen.returncode for p in peers + [joiner]]
         out["joiner_shard"] = 3

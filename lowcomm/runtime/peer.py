@@ -178,11 +178,13 @@ class Peer:
                 # A fresh DHT node may not see records yet: only call ourselves first once the
                 # coordinator's record is visible and two heartbeats passed without any trainer.
                 # A resync (min_round set) is mid-run: a record missing for a moment (a busy
-                # peer's late heartbeat) is no reason to give up, so it waits for the deadline.
+                # peer's late heartbeat) is no reason to give up; four record lifetimes are.
                 empty_since = empty_since or time.monotonic()
                 settled = time.monotonic() - empty_since > 2 * self.config.sync.heartbeat_s
                 if min_round is None and any(r.state == "coordinator" for r in everyone.values()) and settled:
                     return False
+                if min_round is not None and time.monotonic() - empty_since > 4 * self.config.sync.record_ttl_s:
+                    return False  # no trainer for several record lifetimes: the run is over, not busy
                 time.sleep(0.2)
                 continue
             empty_since = None
