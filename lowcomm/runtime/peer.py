@@ -301,6 +301,7 @@ class Peer:
         self._install_signal_handlers()
         self.steps_done, self.round, self.step, self.tokens_global = 0, 0, 0, 0
         self.open_round: OpenRound | None = None
+        self._announced = -1  # the last streaming round announced ahead of its start
         try:
             self._connect()
             self._start_heartbeat()
@@ -422,6 +423,10 @@ class Peer:
                     return
         if last and self._pending_eval is None:
             self._pending_eval = (0, False)  # the final evaluation of φ, even with no round ending here
+        if self.open_round is None and self._announced < self.round < self.config.total_rounds:
+            # nothing in flight: announce the next round now, so a leader a few steps ahead counts us in
+            self.collective.announce_ahead(self.key, self.round)
+            self._announced = self.round
 
     def _start_streaming_round(self, round_: int) -> bool:
         """Drift check, then the fragment's reduce in the background; False when the peer resynced instead."""
