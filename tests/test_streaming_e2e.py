@@ -44,7 +44,8 @@ def run(tmp_path_factory):
 
 
 def events(records, kind, peer=None):
-    return [r for r in records if r["type"] == "event" and r.get("kind") == kind and (peer is None or r["peer"] == peer)]
+    return [r for r in records
+            if r["type"] == "event" and r.get("kind") == kind and (peer is None or r["peer"] == peer)]
 
 
 def test_every_fragment_round_has_all_its_members_and_one_phi(run):

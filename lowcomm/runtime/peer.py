@@ -10,7 +10,10 @@ from that round on and trains from the current global model, never from scratch.
 Streaming DiLoCo (`_streaming_step`) runs the same rounds split in two: a fragment round starts
 after its inner step and is awaited τ steps later; each applied round is a round like DiLoCo's
 (its record carries the fragment), and φ is the same on every peer after each one, with no round
-in flight (τ < ⌊H/P⌋), so the drift check, snapshots and joiners work per round unchanged.
+in flight (τ < ⌊H/P⌋), so the drift check, snapshots and joiners work per round unchanged: a
+joiner loads φ after round r − 1 and stands at that round's apply step. A fragment round this peer
+was left out of is caught up (that fragment's reduced shards from the members); any other failure
+resyncs the whole state at the next round.
 """
 
 from __future__ import annotations
