@@ -57,9 +57,11 @@ def _add_simulate(sub) -> None:
     simulate.add_argument("--algo", choices=list(ALGOS), help="overrides run.algo")
     simulate.add_argument("--steps", type=int, help="inner steps per peer (overrides run.steps)")
     simulate.add_argument("--seed", type=int, help="overrides run.seed")
-    simulate.add_argument("--inner-steps", type=int, help="H of the chosen algorithm (diloco.inner_steps or "
-                          "sparseloco.inner_steps)")
-    simulate.add_argument("--codec", choices=["fp32", "uint8"], help="DiLoCo payload codec")
+    simulate.add_argument("--inner-steps", type=int, help="H of the chosen algorithm (diloco.inner_steps, also "
+                          "Streaming DiLoCo's, or sparseloco.inner_steps)")
+    simulate.add_argument("--codec", choices=["fp32", "uint8", "fp8"],
+                          help="payload codec: diloco.codec (fp32 | uint8) or, for streaming-diloco, streaming.codec")
+    simulate.add_argument("--fragments", type=int, help="Streaming DiLoCo's P (overrides streaming.fragments)")
     simulate.add_argument("--overlap", action="store_true", default=None,
                           help="DiLoCo and SparseLoCo: one-step-delay overlap, compute does not wait for the "
                                "reduce (overrides diloco.overlap and sparseloco.overlap)")
@@ -152,9 +154,10 @@ def simulate(args) -> int:
         return 2
     config = load_config(args.config).override({"run.algo": args.algo})
     inner_steps_key = "sparseloco.inner_steps" if config.run.algo == "sparseloco" else "diloco.inner_steps"
+    codec_key = "streaming.codec" if config.streaming_run else "diloco.codec"
     config = config.override({"run.steps": args.steps,
                               "run.seed": args.seed, inner_steps_key: args.inner_steps,
-                              "diloco.codec": args.codec, "link.default": args.link,
+                              codec_key: args.codec, "streaming.fragments": args.fragments, "link.default": args.link,
                               "churn.spec": args.churn, "link.netns": args.netns,
                               "diloco.overlap": args.overlap, "sparseloco.overlap": args.overlap})
     run_dir = args.run_dir or args.report.with_suffix("").with_name(args.report.stem + "-run")

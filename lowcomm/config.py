@@ -20,12 +20,14 @@ from typing import Any
 
 from lowcomm.algorithms.demo import DemoConfig
 from lowcomm.algorithms.sparseloco import SparseLoCoConfig
+from lowcomm.algorithms.streaming import CODECS as STREAMING_CODECS
+from lowcomm.algorithms.streaming import StreamingConfig, check_one_in_flight, rounds_started_by, step_after_rounds
 from lowcomm.compress.topk import VALUE_CODECS
 from lowcomm.runtime.churn import parse_churn
 from lowcomm.transport.shaper import parse_link_option
 
 
-ALGOS = ("diloco", "sparseloco", "demo", "ddp")
+ALGOS = ("diloco", "streaming-diloco", "sparseloco", "demo", "ddp")
 PER_STEP_ALGOS = ("ddp", "demo")  # sync every optimizer step, in membership epochs
 UNHASHED_SECTIONS = ("link", "churn")  # the emulated network: not part of what makes two runs the same
 
@@ -146,6 +148,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
     diloco: DilocoConfig = field(default_factory=DilocoConfig)
+    streaming: StreamingConfig = field(default_factory=StreamingConfig)
     sparseloco: SparseLoCoConfig = field(default_factory=SparseLoCoConfig)
     demo: DemoConfig = field(default_factory=DemoConfig)
     ddp: DdpConfig = field(default_factory=DdpConfig)
@@ -172,6 +175,25 @@ class RunConfig:
         """One-step-delay overlap: the run's DiLoCo or SparseLoCo reduces run during the next round."""
         return ((self.run.algo == "diloco" and self.diloco.overlap)
                 or (self.run.algo == "sparseloco" and self.sparseloco.overlap))
+
+    @property
+    def streaming_run(self) -> bool:
+        """Streaming DiLoCo: one fragment per round, P rounds per H steps (algorithms.streaming)."""
+        return self.run.algo == "streaming-diloco"
+
+    @property
+    def total_rounds(self) -> int:
+        """Rounds in a run of `run.steps` inner steps (for streaming: fragment syncs started by then)."""
+        if self.streaming_run:
+            return rounds_started_by(self.run.steps, self.diloco.inner_steps, self.streaming.fragments)
+        return self.run.steps // self.steps_per_sync
+
+    def step_after_rounds(self, completed: int) -> int:
+        """The inner step a replica stands at once it has applied `completed` rounds (where a joiner starts)."""
+        if self.streaming_run:
+            s = self.streaming
+            return step_after_rounds(completed, self.diloco.inner_steps, s.fragments, s.fragment_sync_delay)
+        return completed * self.steps_per_sync
 
     @property
     def per_step(self) -> bool:
@@ -235,11 +257,29 @@ class RunConfig:
                             ("ddp.epoch_steps", self.ddp.epoch_steps), ("inner.batch_size", self.inner.batch_size)):
             if value < 1:
                 raise ConfigError(f"{name} must be >= 1 (got {value})")
+        self._validate_streaming()
         self._validate_links()
         try:
             parse_churn(self.churn.spec)
         except ValueError as e:
             raise ConfigError(f"churn.spec = {self.churn.spec!r}: {e}") from None
+
+    def _validate_streaming(self) -> None:
+        s = self.streaming
+        if s.codec not in STREAMING_CODECS:
+            raise ConfigError(f"streaming.codec = {s.codec!r}: use one of {', '.join(STREAMING_CODECS)}")
+        if not 0.0 <= s.alpha <= 1.0:
+            raise ConfigError(f"streaming.alpha = {s.alpha}: must be in [0, 1]")
+        if not self.streaming_run:
+            return  # the schedule only has to fit the model and H when it runs
+        if not 1 <= s.fragments <= self.model.n_layers:
+            raise ConfigError(f"streaming.fragments = {s.fragments}: must be in [1, model.n_layers = "
+                              f"{self.model.n_layers}] (fragments are strided over transformer blocks)")
+        try:
+            check_one_in_flight(self.diloco.inner_steps, s.fragments, s.fragment_sync_delay)
+        except ValueError as e:
+            raise ConfigError(f"streaming.fragment_sync_delay / streaming.fragments with diloco.inner_steps = "
+                              f"{self.diloco.inner_steps}: {e}") from None
 
     def _validate_links(self) -> None:
         specs = {"link.default": self.link.default}

@@ -40,3 +40,35 @@ def test_checked_in_protos_are_fresh(tmp_path):
         fresh = tmp_path / "lowcomm" / "proto" / name
         checked_in = Path(regenerate.__file__).parent / name
         assert filecmp.cmp(fresh, checked_in, shallow=False), f"{name} is stale: run python -m lowcomm.proto.regenerate"
+
+
+def test_streaming_section_parses_and_defines_the_rounds(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("[run]\nalgo = 'streaming-diloco'\nsteps = 120\n[diloco]\ninner_steps = 30\n"
+                    "[streaming]\nfragments = 4\nfragment_sync_delay = 3\nalpha = 0.5\ncodec = 'fp8'\n")
+    c = load_config(path)
+    assert (c.streaming.fragments, c.streaming.fragment_sync_delay, c.streaming.alpha, c.streaming.codec) == \
+        (4, 3, 0.5, "fp8")
+    assert c.streaming_run and c.steps_per_sync == 30
+    assert c.total_rounds == 16  # 4 fragment rounds per 30 steps, the last one starting at step 120
+    assert [c.step_after_rounds(r) for r in range(5)] == [0, 10, 17, 24, 33]  # round r−1 started + τ
+    plain = c.override({"run.algo": "diloco"})
+    assert plain.total_rounds == 4 and [plain.step_after_rounds(r) for r in range(3)] == [0, 30, 60]
+    assert default_config().streaming.codec == "uint8" and default_config().streaming.alpha == 0.0
+
+
+@pytest.mark.parametrize("overrides, key", [
+    ({"streaming.fragment_sync_delay": 15}, "fragment_sync_delay"),  # τ must be < ⌊30/2⌋
+    ({"streaming.fragments": 5}, "fragments"),  # more fragments than the 4 transformer blocks
+    ({"streaming.codec": "q2"}, "codec"),
+    ({"streaming.alpha": 1.5}, "alpha")])
+def test_bad_streaming_settings_name_the_key(overrides, key):
+    with pytest.raises(ConfigError, match=key):
+        default_config().override({"run.algo": "streaming-diloco", **overrides})
+
+
+def test_cli_simulate_accepts_streaming_diloco():
+    from lowcomm.cli import build_parser
+
+    args = build_parser().parse_args(["simulate", "--algo", "streaming-diloco", "--fragments", "4", "--codec", "fp8"])
+    assert (args.algo, args.fragments, args.codec) == ("streaming-diloco", 4, "fp8")

@@ -104,7 +104,7 @@ def test_overlap_keeps_own_progress_on_top_of_phi():
     for r, rep in enumerate(reps):
         theta = [p.detach() for p in rep.model.parameters()]
         assert close(theta, before[r])  # φ_0 − Δ_0 = θ at the end of round 0: nothing landed yet
-    with reps[0].phi_loaded():
+    with reps[0].global_model():
         assert close([p.detach() for p in reps[0].model.parameters()], reps[0].phi)
     assert close([p.detach() for p in reps[0].model.parameters()], before[0])  # put back
 

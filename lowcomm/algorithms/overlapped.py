@@ -110,7 +110,7 @@ class Overlapped:
         return finished
 
     @contextlib.contextmanager
-    def phi_loaded(self):
+    def global_model(self):
         """θ ← φ for the duration (an evaluation of the shared model), then θ is put back."""
         theta = self._theta()
         self.inner.load_phi_into_model()

@@ -75,10 +75,23 @@ class ManifestAgreement:
         self.client_mode = client_mode
         self.me = control.identity.peer_id
 
+    @property
+    def _ttl(self) -> float:
+        return self.sync.record_ttl_s + self.sync.announce_s + self.sync.manifest_s * 4
+
+    def announce(self, group: str, round_: int) -> None:
+        """Says this peer takes part in ``round_``; ``agree`` says it again when the round starts.
+
+        Announcing ahead (Streaming DiLoCo announces round n + 1 once it applied round n) lets the
+        round's leader count a peer that is a few steps behind instead of timing it out after
+        `announce_s`: its contribution is awaited until the reduce deadline, as any member's.
+        """
+        self.control.announce(group, round_, {"endpoint": self.endpoint, "client_mode": self.client_mode}, self._ttl)
+
     def agree(self, group: str, round_: int, epoch_rounds: int, codec: str,
               suspects: frozenset[str] = frozenset()) -> Manifest:
-        ttl = self.sync.record_ttl_s + self.sync.announce_s + self.sync.manifest_s * 4
-        self.control.announce(group, round_, {"endpoint": self.endpoint, "client_mode": self.client_mode}, ttl)
+        ttl = self._ttl
+        self.announce(group, round_)
         announcers = self._gather(group, round_, suspects)
         order = sorted(announcers)
         published = False

@@ -75,6 +75,17 @@ class ShardedReduce:
         future = self._pool.submit(self._run, key, round_, payload, float(weight))
         return ReduceHandle(future)
 
+    def announce_ahead(self, key: GroupKey, round_: int) -> None:
+        """Announces ``round_`` in the background (ManifestAgreement.announce); a failure only costs the head start."""
+
+        def announce():
+            try:
+                self.agreement.announce(key.group, round_)
+            except Exception as e:  # the round's own announcement follows when it starts
+                logger.info("round %d: announcing ahead failed: %s", round_, e)
+
+        self._pool.submit(announce)
+
     def end_epoch(self, key: GroupKey) -> None:
         """Forces a fresh manifest for the next round (after a resync or a failure)."""
         self._manifests.pop(key.group, None)

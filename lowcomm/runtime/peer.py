@@ -6,6 +6,14 @@
 
 A joiner waits for the next round boundary and downloads that round's state, so it contributes
 from that round on and trains from the current global model, never from scratch.
+
+Streaming DiLoCo (`_streaming_step`) runs the same rounds split in two: a fragment round starts
+after its inner step and is awaited τ steps later; each applied round is a round like DiLoCo's
+(its record carries the fragment), and φ is the same on every peer after each one, with no round
+in flight (τ < ⌊H/P⌋), so the drift check, snapshots and joiners work per round unchanged: a
+joiner loads φ after round r − 1 and stands at that round's apply step. A fragment round this peer
+was left out of is caught up (that fragment's reduced shards from the members); any other failure
+resyncs the whole state at the next round.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import signal
 import threading
 import time
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +38,7 @@ from lowcomm.algorithms.diloco import DiLoCo
 from lowcomm.algorithms.overlapped import Overlapped
 from lowcomm.algorithms.sparseloco_replica import SparseLoCo
 from lowcomm.algorithms.sparseloco_replica import combiner as sparseloco_combiner
+from lowcomm.algorithms.streaming_replica import StreamingDiLoCo
 from lowcomm.collectives.base import CollectiveError, GroupKey, NotInRound, RoundResult
 from lowcomm.collectives.manifest import ManifestAgreement
 from lowcomm.collectives.sharded_reduce import ShardedReduce
@@ -64,6 +74,18 @@ class PeerOptions:
     start_file: Path | None = None  # simulate's start barrier: train once this file exists
     link: LinkSpec | None = None  # emulated access link for all data-plane traffic (None: unshaped)
     dht_host: str | None = None  # address the DHT (p2pd) listens on; None: `host`
+
+
+@dataclass
+class OpenRound:
+    """A Streaming DiLoCo round whose reduce runs in the background until its apply step."""
+
+    round: int
+    handle: object
+    apply_step: int
+    weight: float
+    t0: float
+    bytes_before: int
 
 
 class Peer:
@@ -103,7 +125,7 @@ class Peer:
         self.record = PeerRecord(self.me, self.endpoint, state, device.type, client_mode=self.client_mode)
         algo = self.config.run.algo
         epoch_rounds = self.config.ddp.epoch_steps if self.config.per_step else 1
-        codec = "fp32" if algo == "ddp" else self.config.diloco.codec
+        codec = {"ddp": "fp32", "streaming-diloco": self.config.streaming.codec}.get(algo, self.config.diloco.codec)
         shapes = [tuple(p.shape) for p in self.trainer.model.parameters()]
         combiner = {"sparseloco": lambda: sparseloco_combiner(self.config.sparseloco, shapes),
                     "demo": lambda: demo_combiner(self.config.demo, shapes)}.get(algo, lambda: None)()
@@ -119,6 +141,9 @@ class Peer:
         elif algo == "demo":  # the run's warm-up schedule, scaled to DeMo's own lr
             lr_at = lambda step: self.trainer.lr_at(step) * self.config.demo.lr / self.config.inner.lr  # noqa: E731
             self.algo = Demo(self.trainer.model, self.config.demo, self.collective, self.key, lr_at)
+        elif algo == "streaming-diloco":
+            self.algo = StreamingDiLoCo(self.trainer.model, self.config.diloco, self.config.streaming,
+                                        self.collective, self.key)
         else:
             self.algo = DiLoCo(self.trainer.model, self.config.diloco, self.collective, self.key)
         if self.config.overlap:
@@ -178,13 +203,11 @@ class Peer:
                 # A fresh DHT node may not see records yet: only call ourselves first once the
                 # coordinator's record is visible and two heartbeats passed without any trainer.
                 # A resync (min_round set) is mid-run: a record missing for a moment (a busy
-                # peer's late heartbeat) is no reason to give up; four record lifetimes are.
+                # peer's late heartbeat) is no reason to give up, so it waits for the deadline.
                 empty_since = empty_since or time.monotonic()
                 settled = time.monotonic() - empty_since > 2 * self.config.sync.heartbeat_s
                 if min_round is None and any(r.state == "coordinator" for r in everyone.values()) and settled:
                     return False
-                if min_round is not None and time.monotonic() - empty_since > 4 * self.config.sync.record_ttl_s:
-                    return False  # no trainer for several record lifetimes: the run is over, not busy
                 time.sleep(0.2)
                 continue
             empty_since = None
@@ -211,9 +234,10 @@ class Peer:
                 continue
             self.algo.load_state_tensors(tensors)
             self.round, self.tokens_global = int(state.round), int(state.tokens)
+            self.step = self.config.step_after_rounds(self.round)
+            self.open_round = None  # a streaming round begun before this state is void
             if self.config.overlap:
                 self.algo.enter(self.round)  # the round in flight when the state was taken lands at our first sync
-            self.step = self.round * self.rounds_per_sync
             self.collective.end_epoch(self.key)
             self._publish_snapshot()
             self.log.event("state_received", source=source.peer_id, round=self.round, phi_hash=self.algo.phi_hash())
@@ -253,8 +277,7 @@ class Peer:
 
     def _resync(self, reason: str) -> None:
         self.log.event("resync", round=self.round, reason=reason[:200])
-        final_round = self.config.run.steps // self.rounds_per_sync
-        if self._round_boundary_for(self.round) >= final_round:
+        if self._round_boundary_for(self.round) >= self.config.total_rounds:
             # the run ends before the next boundary: nothing left to join, stop as done
             self.step = self.config.run.steps
             self.log.event("late_at_end", round=self.round)
@@ -262,14 +285,19 @@ class Peer:
         if not self._fetch_state(min_round=self.round + 1):
             raise RuntimeError("no peer to resync from; leaving the run")
 
-    def _drift_check(self, round_: int) -> None:
-        """A peer whose φ hash disagrees with the majority of round `round_` resyncs from the majority."""
+    def _drift_check(self, round_: int) -> bool:
+        """A peer whose φ hash disagrees with the majority of round `round_` resyncs from the majority.
+
+        True when it resynced: the caller's round is then behind this peer and must not run.
+        """
         hashes = self.control.phi_hashes(self.key.group, round_)
         if len(hashes) < 3 or self.me not in hashes:
-            return
+            return False
         majority, votes = Counter(hashes.values()).most_common(1)[0]
         if hashes[self.me] != majority and votes > len(hashes) / 2:
             self._resync(f"φ hash of round {round_} disagrees with {votes} of {len(hashes)} peers")
+            return True
+        return False
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -280,6 +308,8 @@ class Peer:
     def run(self) -> int:
         self._install_signal_handlers()
         self.steps_done, self.round, self.step, self.tokens_global = 0, 0, 0, 0
+        self.open_round: OpenRound | None = None
+        self._announced = -1  # the last streaming round announced ahead of its start
         try:
             self._connect()
             self._start_heartbeat()
@@ -312,7 +342,9 @@ class Peer:
             self.step += 1
             self.steps_done += 1
             self.record.step = self.step
-            if not self.config.per_step and self.step % self.rounds_per_sync == 0:
+            if self.config.streaming_run:
+                self._streaming_step()
+            elif not self.config.per_step and self.step % self.rounds_per_sync == 0:
                 self._sync(self.round)
             if self._pending_eval is not None:
                 self._maybe_evaluate(*self._pending_eval)
@@ -328,60 +360,145 @@ class Peer:
         is_ddp = self.config.per_step  # ddp and DeMo: per-step syncs in membership epochs
         if is_ddp and round_ % self.config.ddp.epoch_steps == 0:
             self._publish_snapshot()  # a ddp joiner enters at an epoch boundary with this state
-            if round_ > 0:
-                self._drift_check(round_)
-        elif not is_ddp and round_ > 0:
-            self._drift_check(round_)
+            if round_ > 0 and self._drift_check(round_):
+                return False
+        elif not is_ddp and round_ > 0 and self._drift_check(round_):
+            return False
         self._late_announce_hook(round_)
         bytes_before, t0 = self.traffic.sent, time.time()
         weight = self.trainer.tokens_per_step * (1 if is_ddp else self.rounds_per_sync)
-        timeout = self.config.sync.reduce_timeout_s * 3 + self.config.sync.announce_s + self.config.sync.manifest_s * 8
-        try:
-            result = self.algo.sync(round_, weight, timeout=timeout)
-        except NotInRound as e:
-            result = self._catch_up(round_, e)
-            if result is None:
-                return False
-        except (CollectiveError, TimeoutError) as e:
-            self._resync(f"round {round_}: {e}")
+        if self.config.overlap:
+            return self._overlapped_sync(round_, weight, t0, bytes_before)
+        result = self._await_round(round_, lambda timeout: self.algo.sync(round_, weight, timeout=timeout))
+        if result is None:
             return False
-        self.round = round_ + 1
-        self.record.round = self.round
-        if result is not None:  # with overlap: the previous round's, none at the first
-            self._completed(result, result.info.get("round", round_), weight, t0, bytes_before)
-        if self.config.overlap and self.step >= self.config.run.steps:
-            self._drain(weight, timeout)
-        phi_hash = self.algo.phi_hash()
-        if not is_ddp or self.round % self.config.ddp.epoch_steps == 0:
-            self.control.publish_phi_hash(self.key.group, self.round, phi_hash, self.config.sync.record_ttl_s * 6)
-        if not is_ddp:  # ddp's state is complete only after the optimizer step: it snapshots at epoch starts
-            self._publish_snapshot()
+        self._round_done(round_, result, weight, t0, sync_s=time.time() - t0,
+                         bytes_sent=self.traffic.sent - bytes_before)
         return True
 
-    def _drain(self, weight: int, timeout: float) -> None:
-        """Overlap, end of training: the last round's reduce lands and θ ← φ."""
-        bytes_before, t0 = self.traffic.sent, time.time()
-        try:
-            result = self.algo.drain(timeout)
-        except (CollectiveError, TimeoutError) as e:  # the final φ misses one round's average; say so
-            self.log.event("drain_failed", round=self.round - 1, error=str(e)[:200])
-            self.algo.inner.load_phi_into_model()
-            return
-        if result is not None:
-            self._completed(result, result.info.get("round", self.round - 1), weight, t0, bytes_before)
+    def _overlapped_sync(self, round_: int, weight: float, t0: float, bytes_before: int) -> bool:
+        """One-step-delay overlap: start round_'s reduce; the previous round's aggregate lands now.
 
-    def _completed(self, result: RoundResult, round_: int, weight: int, t0: float, bytes_before: int) -> None:
-        """A round's aggregate was applied: count its tokens, log it, schedule the evaluation."""
-        self.tokens_global += weight * len(result.contributors)
-        self.log.write("round", round=round_, t0=t0, sync_s=time.time() - t0, bytes=self.traffic.sent - bytes_before,
-                       participants=result.participants, contributors=result.contributors,
-                       phi_hash=self.algo.phi_hash(), tokens=weight * len(result.contributors),
-                       tokens_global=self.tokens_global, leader=result.info.get("leader"),
-                       manifest_s=result.info.get("manifest_s"), reduce_s=result.info.get("reduce_s"),
-                       caught_up=bool(result.info.get("caught_up")))
-        if result.info.get("caught_up") and self.config.overlap:
-            self.log.event("caught_up", round=round_, contributors=len(result.contributors))
-        self._pending_eval = (weight * len(result.contributors), result.info.get("leader") == self.me)
+        Its record is written now, one round after it started (none at the first round); at the last
+        step the final round lands at once (θ ← φ for the final evaluation). The snapshot and φ hash
+        are labelled round_ + 1 and hold φ up to round_ − 1: a joiner that enters there fetches
+        round_'s aggregate at its first sync (Overlapped.enter).
+        """
+        timeout = self._round_timeout()
+        try:
+            landed = [self.algo.sync(round_, weight, timeout=timeout)]
+            if self.step >= self.config.run.steps:
+                landed.append(self.algo.drain(timeout))
+        except (CollectiveError, TimeoutError) as e:  # a late round was caught up inside; this is worse
+            self._resync(f"round {round_ - 1}: {e}")
+            return False
+        for result in filter(None, landed):
+            self._round_done(result.info["round"], result, weight, t0, sync_s=time.time() - t0,
+                             bytes_sent=self.traffic.sent - bytes_before, publish=False,
+                             caught_up=bool(result.info.get("caught_up")))
+            if result.info.get("caught_up"):
+                self.log.event("caught_up", round=result.info["round"], contributors=len(result.contributors))
+            t0, bytes_before = time.time(), self.traffic.sent
+        self.round = self.record.round = round_ + 1
+        self._publish_round()
+        return True
+
+    def _round_timeout(self) -> float:
+        sync = self.config.sync
+        return sync.reduce_timeout_s * 3 + sync.announce_s + sync.manifest_s * 8
+
+    def _await_round(self, round_: int, wait) -> RoundResult | None:
+        """``wait(timeout)`` → the applied result; a late peer catches up, any other failure resyncs (None)."""
+        try:
+            return wait(self._round_timeout())
+        except NotInRound as e:
+            return self._catch_up(round_, e)
+        except (CollectiveError, TimeoutError) as e:
+            self._resync(f"round {round_}: {e}")
+            return None
+
+    def _round_done(self, round_: int, result: RoundResult, weight: float, t0: float, sync_s: float,
+                    bytes_sent: int, publish: bool = True, **extra) -> None:
+        """Bookkeeping of an applied round: counters, φ hash, snapshot, the round record, the eval due."""
+        self.round = round_ + 1
+        tokens = weight * len(result.contributors)
+        self.tokens_global += tokens
+        self.record.round = self.round
+        phi_hash = self.algo.phi_hash()
+        if publish:
+            self._publish_round()
+        self.log.write("round", round=round_, t0=t0, sync_s=sync_s, bytes=bytes_sent,
+                       participants=result.participants, contributors=result.contributors, phi_hash=phi_hash,
+                       tokens=tokens, tokens_global=self.tokens_global,
+                       leader=result.info.get("leader"), manifest_s=result.info.get("manifest_s"),
+                       reduce_s=result.info.get("reduce_s"), **extra)
+        added, leader = self._pending_eval or (0, False)  # two streaming rounds may land in one step
+        self._pending_eval = (added + tokens, leader or result.info.get("leader") == self.me)
+
+    def _publish_round(self) -> None:
+        """φ's hash (the drift check) and the state snapshot (joiners) under the round reached."""
+        is_ddp = self.config.per_step
+        if not is_ddp or self.round % self.config.ddp.epoch_steps == 0:
+            self.control.publish_phi_hash(self.key.group, self.round, self.algo.phi_hash(),
+                                          self.config.sync.record_ttl_s * 6)
+        if not is_ddp:  # ddp's state is complete only after the optimizer step: it snapshots at epoch starts
+            self._publish_snapshot()
+
+    # ---- Streaming DiLoCo ---------------------------------------------------------------------
+
+    def _streaming_step(self) -> None:
+        """After inner step `self.step`: await the fragment round due now, then start the one due now.
+
+        At the run's last step every round begun is awaited at once (the final sync): φ does not
+        depend on when a round is applied, only θ would, and θ is not trained any further.
+        """
+        last = self.step >= self.config.run.steps
+        open_round = self.open_round
+        if open_round is not None and (open_round.apply_step <= self.step or last):
+            if not self._finish_streaming_round():
+                return
+        round_ = self.algo.round_starting(self.step)
+        if round_ is not None:
+            if not self._start_streaming_round(round_):
+                return
+            if self.open_round.apply_step <= self.step or last:  # τ = 0, or the final sync
+                if not self._finish_streaming_round():
+                    return
+        if last and self._pending_eval is None:
+            self._pending_eval = (0, False)  # the final evaluation of φ, even with no round ending here
+        if self.open_round is None and self._announced < self.round < self.config.total_rounds:
+            # nothing in flight: announce the next round now, so a leader a few steps ahead counts us in
+            self.collective.announce_ahead(self.key, self.round)
+            self._announced = self.round
+
+    def _start_streaming_round(self, round_: int) -> bool:
+        """Drift check, then the fragment's reduce in the background; False when the peer resynced instead."""
+        if round_ > 0 and self._drift_check(round_):
+            return False
+        self._late_announce_hook(round_)
+        # each fragment round carries the tokens trained since the previous round began (H/P steps)
+        steps = self.algo.start_step(round_) - (self.algo.start_step(round_ - 1) if round_ > 0 else 0)
+        weight = self.trainer.tokens_per_step * steps
+        bytes_before, t0 = self.traffic.sent, time.time()
+        self.open_round = OpenRound(round_, self.algo.start_sync(round_, weight), self.algo.apply_step(round_),
+                                    weight, t0, bytes_before)
+        return True
+
+    def _finish_streaming_round(self) -> bool:
+        """Awaits and applies the open fragment round; False when it failed (the peer caught up or resynced)."""
+        open_round, self.open_round = self.open_round, None
+        round_ = open_round.round
+        t_wait = time.time()
+        result = self._await_round(round_, lambda timeout: self.algo.finish_sync(round_, open_round.handle, timeout))
+        if result is None:
+            return False
+        # sync_s: the reduce itself (manifest + exchange), overlapped with τ inner steps; blocked_s: what
+        # training waited for at the apply step
+        own = (result.info.get("manifest_s") or 0.0) + (result.info.get("reduce_s") or 0.0)
+        self._round_done(round_, result, open_round.weight, open_round.t0, sync_s=own or time.time() - open_round.t0,
+                         bytes_sent=self.traffic.sent - open_round.bytes_before,
+                         fragment=self.algo.fragment_of(round_), blocked_s=time.time() - t_wait)
+        return True
 
     def _maybe_evaluate(self, added_tokens: int, is_leader: bool) -> None:
         """The round's leader evaluates whenever the run crosses `eval_every_tokens`; everyone at the end."""
@@ -389,10 +506,7 @@ class Peer:
         final = self.step >= self.config.run.steps
         crossed = self.tokens_global // every != (self.tokens_global - added_tokens) // every
         if final or (is_leader and crossed):
-            if self.config.overlap:  # the shared φ, not this replica's φ plus its unsynced progress
-                with self.algo.phi_loaded():
-                    loss = self.trainer.evaluate()
-            else:
+            with getattr(self.algo, "global_model", nullcontext)():  # Streaming DiLoCo: φ, not the live θ
                 loss = self.trainer.evaluate()
             self.log.write("eval", round=self.round, step=self.step, tokens=self.tokens_global, loss=loss,
                            final=final, phi_hash=self.algo.phi_hash())

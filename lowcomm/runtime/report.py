@@ -1,7 +1,9 @@
 """The simulation report of DESIGN.md, assembled from the peers' JSONL records.
 
 Beyond DESIGN.md's fields: `links` (each peer's emulated link, None when unshaped, from its start
-event) and `rounds[].link_bound_s`, the least time the round's bytes needed on the links: the
+event), for Streaming DiLoCo `rounds[].fragment` and `rounds[].blocked_s` (the longest any peer's
+training waited for the round at its apply step; its `sync_s` is the reduce's own time, which
+overlaps τ inner steps), and `rounds[].link_bound_s`, the least time the round's bytes needed on the links: the
 largest bytes / upload rate over the round's shaped peers. Every peer's sync starts before the
 round's manifest and every byte of the round is sent after it and awaited by some member, so the
 round's `sync_s` (the slowest peer's) is not below it (up to the shaper's 10 ms burst) unless a
@@ -95,6 +97,8 @@ def _rounds(records: list[dict], first_t: float, links: dict[str, str | None]) -
                      "link_bound_s": _link_bound_s(rs, links),
                      "participants": leader["participants"], "contributors": leader["contributors"],
                      "phi_hashes": sorted({r["phi_hash"] for r in rs})})
+        if "fragment" in leader:  # Streaming DiLoCo: which fragment, and how long training waited for it
+            rows[-1].update(fragment=leader["fragment"], blocked_s=max(r.get("blocked_s", 0.0) for r in rs))
     return rows
 
 

@@ -337,10 +337,7 @@ class Simulation:
         plan = self.churn if self.churn is not None else parse_churn(self.config.churn.spec)
         if plan is None:
             return None
-        algo = self.config.run.algo
-        steps_per_round = self.config.steps_per_sync
-        return ChurnExecutor(plan, self, seed=self.config.run.seed,
-                             total_rounds=self.config.run.steps // steps_per_round,
+        return ChurnExecutor(plan, self, seed=self.config.run.seed, total_rounds=self.config.total_rounds,
                              epoch_rounds=self.config.ddp.epoch_steps if self.config.per_step else 1)
 
     def run(self) -> dict:
