@@ -57,8 +57,8 @@ def _add_simulate(sub) -> None:
     simulate.add_argument("--algo", choices=list(ALGOS), help="overrides run.algo")
     simulate.add_argument("--steps", type=int, help="inner steps per peer (overrides run.steps)")
     simulate.add_argument("--seed", type=int, help="overrides run.seed")
-    simulate.add_argument("--inner-steps", type=int, help="H of the chosen algorithm (diloco.inner_steps or "
-                          "sparseloco.inner_steps)")
+    simulate.add_argument("--inner-steps", type=int, help="H of the chosen algorithm (diloco.inner_steps, "
+                          "sparseloco.inner_steps or noloco.inner_steps)")
     simulate.add_argument("--codec", choices=["fp32", "uint8"], help="DiLoCo payload codec")
     simulate.add_argument("--report", type=Path, default=Path("report.json"))
     simulate.add_argument("--run-dir", type=Path, help="folder for logs and peer records (default: beside the report)")
@@ -148,7 +148,8 @@ def simulate(args) -> int:
         print("lowcomm: --stages is not available in this version (see the README's roadmap)", file=sys.stderr)
         return 2
     config = load_config(args.config).override({"run.algo": args.algo})
-    inner_steps_key = "sparseloco.inner_steps" if config.run.algo == "sparseloco" else "diloco.inner_steps"
+    inner_steps_key = (f"{config.run.algo}.inner_steps" if config.run.algo in ("sparseloco", "noloco")
+                       else "diloco.inner_steps")
     config = config.override({"run.steps": args.steps,
                               "run.seed": args.seed, inner_steps_key: args.inner_steps,
                               "diloco.codec": args.codec, "link.default": args.link,

@@ -13,6 +13,8 @@ from lowcomm.collectives.base import RoundResult
 
 
 class OuterReplica:
+    shared_phi = True  # every replica holds the same φ after a round: the peer checks its hash for drift
+
     def sync(self, round_: int, weight: float, timeout: float | None = None) -> RoundResult:
         result = self.start_sync(round_, weight).result(timeout)
         self.apply(result)

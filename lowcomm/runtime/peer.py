@@ -2,6 +2,7 @@
 
     join:   DHT bootstrap → signed run config → gRPC server → reachability check → state download
     train:  inner steps; at each sync point the algorithm's collective round; drift check on φ
+            (not for NoLoCo: its replicas hold different φ by design)
     leave:  on SIGINT/SIGTERM, finish or abandon the round, expire records, stop the servers
 
 A joiner waits for the next round boundary and downloads that round's state, so it contributes
@@ -26,10 +27,13 @@ from lowcomm.algorithms.ddp import DataParallel
 from lowcomm.algorithms.demo_replica import Demo
 from lowcomm.algorithms.demo_replica import combiner as demo_combiner
 from lowcomm.algorithms.diloco import DiLoCo
+from lowcomm.algorithms.noloco import group_of
+from lowcomm.algorithms.noloco_replica import NoLoCo
 from lowcomm.algorithms.sparseloco_replica import SparseLoCo
 from lowcomm.algorithms.sparseloco_replica import combiner as sparseloco_combiner
 from lowcomm.collectives.base import CollectiveError, GroupKey, NotInRound, RoundResult
 from lowcomm.collectives.manifest import ManifestAgreement
+from lowcomm.collectives.pair_exchange import PairExchange
 from lowcomm.collectives.sharded_reduce import ShardedReduce
 from lowcomm.proto import wire_pb2
 from lowcomm.runtime.runlog import RunLog
@@ -58,7 +62,7 @@ class PeerOptions:
     data_shard: int | None = None
     num_shards: int = 64
     run_dir: Path | None = None
-    fault: str | None = None  # test hooks: "stall-sync@R" blocks inside round R's reduce,
+    fault: str | None = None  # test hooks: "stall-sync@R" blocks inside round R's reduce (or exchange),
     # "late-announce@R" announces round R only after its manifest was written without this peer
     start_file: Path | None = None  # simulate's start barrier: train once this file exists
     link: LinkSpec | None = None  # emulated access link for all data-plane traffic (None: unshaped)
@@ -107,14 +111,22 @@ class Peer:
         combiner = {"sparseloco": lambda: sparseloco_combiner(self.config.sparseloco, shapes),
                     "demo": lambda: demo_combiner(self.config.demo, shapes)}.get(algo, lambda: None)()
         agreement = ManifestAgreement(self.control, sync, self.endpoint, self.client_mode, on_event=self.log.event)
-        self.collective = ShardedReduce(self.me, self.service, self.channels, self.traffic, agreement, sync, codec,
-                                        epoch_rounds, on_event=self.log.event, combiner=combiner)
+        if algo == "noloco":  # no all-reduce: each member trades (θ − φ, φ) with its group only
+            noloco = self.config.noloco
+            grouping = lambda run, round_, members: group_of(run, round_, members, noloco.group_size)  # noqa: E731
+            self.collective = PairExchange(self.me, self.service, self.channels, self.traffic, agreement, sync,
+                                           noloco.codec, shapes + shapes, grouping, on_event=self.log.event)
+        else:
+            self.collective = ShardedReduce(self.me, self.service, self.channels, self.traffic, agreement, sync,
+                                            codec, epoch_rounds, on_event=self.log.event, combiner=combiner)
         self.collective.before_send = self._fault_hook
         self.key = GroupKey(o.run_name)
         if algo == "ddp":
             self.algo = DataParallel(self.trainer.model, self.trainer.optimizer, self.collective, self.key)
         elif algo == "sparseloco":
             self.algo = SparseLoCo(self.trainer.model, self.config.sparseloco, self.collective, self.key)
+        elif algo == "noloco":
+            self.algo = NoLoCo(self.trainer.model, self.config.noloco, self.collective, self.key)
         elif algo == "demo":  # the run's warm-up schedule, scaled to DeMo's own lr
             lr_at = lambda step: self.trainer.lr_at(step) * self.config.demo.lr / self.config.inner.lr  # noqa: E731
             self.algo = Demo(self.trainer.model, self.config.demo, self.collective, self.key, lr_at)
@@ -232,7 +244,9 @@ class Peer:
         self.holder.publish(snapshot)
 
     def _catch_up(self, round_: int, late: NotInRound) -> RoundResult | None:
-        """A DiLoCo peer left out of a round applies the round's result from its members; else resync."""
+        """A DiLoCo peer left out of a round applies the round's result from its members; else resync.
+
+        (A NoLoCo replica takes the round as a group of one: algorithms.noloco_replica.)"""
         if self.config.per_step or late.manifest is None:
             self._resync(f"round {round_}: {late}")
             return None
@@ -319,11 +333,12 @@ class Peer:
     def _sync(self, round_: int) -> bool:
         """One collective round; True when this peer applied the agreed aggregate."""
         is_ddp = self.config.per_step  # ddp and DeMo: per-step syncs in membership epochs
+        shared_phi = getattr(self.algo, "shared_phi", True)  # False for NoLoCo: no global φ to agree on
         if is_ddp and round_ % self.config.ddp.epoch_steps == 0:
             self._publish_snapshot()  # a ddp joiner enters at an epoch boundary with this state
             if round_ > 0:
                 self._drift_check(round_)
-        elif not is_ddp and round_ > 0:
+        elif not is_ddp and round_ > 0 and shared_phi:
             self._drift_check(round_)
         self._late_announce_hook(round_)
         bytes_before, t0 = self.traffic.sent, time.time()
@@ -339,19 +354,22 @@ class Peer:
             self._resync(f"round {round_}: {e}")
             return False
         self.round = round_ + 1
-        self.tokens_global += weight * len(result.contributors)
+        # NoLoCo: every member of the round trained, though only the group's tokens are in this update
+        added = weight * result.info.get("trained_members", len(result.contributors))
+        self.tokens_global += added
         self.record.round = self.round
         phi_hash = self.algo.phi_hash()
-        if not is_ddp or self.round % self.config.ddp.epoch_steps == 0:
+        if shared_phi and (not is_ddp or self.round % self.config.ddp.epoch_steps == 0):
             self.control.publish_phi_hash(self.key.group, self.round, phi_hash, self.config.sync.record_ttl_s * 6)
         if not is_ddp:  # ddp's state is complete only after the optimizer step: it snapshots at epoch starts
             self._publish_snapshot()
         self.log.write("round", round=round_, t0=t0, sync_s=time.time() - t0, bytes=self.traffic.sent - bytes_before,
                        participants=result.participants, contributors=result.contributors, phi_hash=phi_hash,
-                       tokens=weight * len(result.contributors), tokens_global=self.tokens_global,
+                       tokens=added, tokens_global=self.tokens_global,
                        leader=result.info.get("leader"), manifest_s=result.info.get("manifest_s"),
-                       reduce_s=result.info.get("reduce_s"))
-        self._pending_eval = (weight * len(result.contributors), result.info.get("leader") == self.me)
+                       reduce_s=result.info.get("reduce_s", result.info.get("exchange_s")),
+                       **result.info.get("record", {}))
+        self._pending_eval = (added, result.info.get("leader") == self.me)
         return True
 
     def _maybe_evaluate(self, added_tokens: int, is_leader: bool) -> None:

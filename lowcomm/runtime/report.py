@@ -1,13 +1,14 @@
 """The simulation report of DESIGN.md, assembled from the peers' JSONL records.
 
 Beyond DESIGN.md's fields: `links` (each peer's emulated link, None when unshaped, from its start
-event) and `rounds[].link_bound_s`, the least time the round's bytes needed on the links: the
-largest bytes / upload rate over the round's shaped peers. Every peer's sync starts before the
-round's manifest and every byte of the round is sent after it and awaited by some member, so the
-round's `sync_s` (the slowest peer's) is not below it (up to the shaper's 10 ms burst) unless a
-member timed out; their ratio is how well the sync used the links. Under `simulate --netns` the
-caller passes `links_override` (each peer's kernel cap with the latency its application shaper
-adds), as the peers' own start events then hold only the latency (`unlimited:40ms`).
+event), NoLoCo's `rounds[].groups` and `rounds[].paired` (see `_gossip_round`), and
+`rounds[].link_bound_s`, the least time the round's bytes needed on the links: the largest
+bytes / upload rate over the round's shaped peers. Every peer's sync starts before the round's
+manifest and every byte of the round is sent after it and awaited by some member, so the round's
+`sync_s` (the slowest peer's) is not below it (up to the shaper's 10 ms burst) unless a member
+timed out; their ratio is how well the sync used the links. Under `simulate --netns` the caller
+passes `links_override` (each peer's kernel cap with the latency its application shaper adds), as
+the peers' own start events then hold only the latency (`unlimited:40ms`).
 """
 
 from __future__ import annotations
@@ -90,12 +91,23 @@ def _rounds(records: list[dict], first_t: float, links: dict[str, str | None]) -
     rows = []
     for round_, rs in sorted(by_round.items()):
         leader = next((r for r in rs if r.get("leader") == r["peer"]), rs[0])
-        rows.append({"round": round_, "t": min(r["t0"] for r in rs) - first_t, "tokens": leader["tokens"],
-                     "bytes": sum(r["bytes"] for r in rs), "sync_s": max(r["sync_s"] for r in rs),
-                     "link_bound_s": _link_bound_s(rs, links),
-                     "participants": leader["participants"], "contributors": leader["contributors"],
-                     "phi_hashes": sorted({r["phi_hash"] for r in rs})})
+        row = {"round": round_, "t": min(r["t0"] for r in rs) - first_t, "tokens": leader["tokens"],
+               "bytes": sum(r["bytes"] for r in rs), "sync_s": max(r["sync_s"] for r in rs),
+               "link_bound_s": _link_bound_s(rs, links),
+               "participants": leader["participants"], "contributors": leader["contributors"],
+               "phi_hashes": sorted({r["phi_hash"] for r in rs})}
+        if any("group" in r for r in rs):
+            row.update(_gossip_round(rs))
+        rows.append(row)
     return rows
+
+
+def _gossip_round(rs: list[dict]) -> dict:
+    """NoLoCo: no round-wide aggregate, one group per member. Contributors: every replica that took the
+    round (its own contribution is always in its update); paired: those that averaged with a mate."""
+    return {"contributors": sorted({p for r in rs for p in r["contributors"]}),
+            "groups": sorted({tuple(r["group"]) for r in rs if r.get("group")}),
+            "paired": sorted(r["peer"] for r in rs if len(r["contributors"]) > 1)}
 
 
 def _evals(records: list[dict], first_t: float, cumulative_bytes: dict[int, int]) -> list[dict]:
