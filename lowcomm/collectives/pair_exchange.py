@@ -118,6 +118,7 @@ class PairExchange:
         channel = (key.run, key.group)
         try:
             t0 = time.monotonic()
+            blob = self.format.encode(tensors)  # while the DHT agrees, not inside the exchange's deadline
             manifest = self.agreement.agree(key.group, round_, 1, self.format.codec_name)
             if self.before_send is not None:
                 self.before_send(round_)
@@ -129,7 +130,6 @@ class PairExchange:
             mates = [p for p in group if p != self.me]
             for sender in self.inbox.set_mates(channel, round_, frozenset(mates)):
                 self._count_reject(round_, sender, "not in this peer's group (buffered before the manifest)")
-            blob = self.format.encode(tensors) if mates else b""
             pushes = {mate: self._pushes.submit(self._push, manifest.endpoints[mate], key, round_, blob, deadline)
                       for mate in mates}
             received = self.inbox.take(channel, round_, deadline)
