@@ -63,7 +63,9 @@ class PeerOptions:
     num_shards: int = 64
     run_dir: Path | None = None
     fault: str | None = None  # test hooks: "stall-sync@R" blocks inside round R's reduce (or exchange),
-    # "late-announce@R" announces round R only after its manifest was written without this peer
+    # "late-announce@R" announces round R only after its manifest was written without this peer;
+    # "@R+" instead of "@R": every round from R on, so a stall comes in the first round from R this
+    # peer is a member of (one left out of round R on a loaded machine never reaches R's reduce)
     start_file: Path | None = None  # simulate's start barrier: train once this file exists
     link: LinkSpec | None = None  # emulated access link for all data-plane traffic (None: unshaped)
     dht_host: str | None = None  # address the DHT (p2pd) listens on; None: `host`
@@ -384,7 +386,10 @@ class Peer:
 
     def _fault_at(self, kind: str, round_: int) -> bool:
         fault = self.options.fault or ""
-        return fault.startswith(f"{kind}@") and round_ == int(fault.split("@")[1])
+        if not fault.startswith(f"{kind}@"):
+            return False
+        at = fault.split("@")[1]
+        return round_ >= int(at[:-1]) if at.endswith("+") else round_ == int(at)
 
     def _fault_hook(self, round_: int) -> None:
         if self._fault_at("stall-sync", round_):
