@@ -4,6 +4,9 @@
     python experiments/sync_worker.py worker --system lowcomm|hivemind --dir CELL_DIR --index I --peers N
            --numel M --rounds R --host DATA_IP --control-host CONTROL_IP [--zstd-level 0] [--seed 0]
 
+System `lowcomm-pairs` (experiments/noloco_vs_allreduce.py) is NoLoCo's pair exchange instead of the
+all-reduce: each worker's result is the mean of its group of noloco.groups (pairs), not of all N.
+
 The launcher runs each process inside its own NetnsLab node, in its own process group. Everything
 between the launcher and the processes goes through files in CELL_DIR:
 
@@ -132,7 +135,6 @@ class LowcommWorker:
     def __init__(self, args, initial_peers: list[str]):
         from lowcomm.collectives.base import GroupKey
         from lowcomm.collectives.manifest import ManifestAgreement
-        from lowcomm.collectives.sharded_reduce import ShardedReduce
         from lowcomm.config import SyncConfig
         from lowcomm.transport.control import ControlPlane, PeerRecord
         from lowcomm.transport.identity import Identity
@@ -152,12 +154,16 @@ class LowcommWorker:
         # "training" at round 0 makes every worker due in every round, so agreement waits for all N
         self.record = PeerRecord(self.me, self.endpoint, "training", "cpu", round=0)
         agreement = ManifestAgreement(self.control, self.sync, self.endpoint)
-        self.collective = ShardedReduce(self.me, service, self.channels, self.traffic, agreement, self.sync,
-                                        "fp32", epoch_rounds=args.epoch_rounds)
+        self.collective = self.make_collective(args, service, agreement)
         self.key = GroupKey("sync")
         self._stop = threading.Event()
         self._beat()
         threading.Thread(target=self._heartbeat, daemon=True).start()
+
+    def make_collective(self, args, service, agreement):
+        from lowcomm.collectives.sharded_reduce import ShardedReduce
+        return ShardedReduce(self.me, service, self.channels, self.traffic, agreement, self.sync,
+                             "fp32", epoch_rounds=args.epoch_rounds)
 
     def _beat(self) -> None:
         self.control.publish_peer(self.record, self.sync.record_ttl_s)
@@ -197,6 +203,36 @@ class LowcommWorker:
         self.server.stop(grace=1.0).wait(2.0)
         self.channels.close()
         self.control.shutdown()
+
+
+class PairWorker(LowcommWorker):
+    """NoLoCo's pair exchange of the same S bytes, cut in two tensors as NoLoCo's (θ − φ, φ): each worker
+    pushes them to its mate(s) of noloco.groups and holds the mean of its group (own included)."""
+
+    def make_collective(self, args, service, agreement):
+        from lowcomm.algorithms.noloco import group_of
+        from lowcomm.collectives.pair_exchange import PairExchange
+        self.half = args.numel // 2
+        shapes = [(self.half,), (args.numel - self.half,)]
+        return PairExchange(self.me, service, self.channels, self.traffic, agreement, self.sync, "fp32", shapes,
+                            lambda run, round_, members: group_of(run, round_, members, 2))
+
+    def average(self, round_: int) -> tuple[torch.Tensor, dict]:
+        bytes_before = self.traffic.sent
+        t_start = time.time()
+        handle = self.collective.start(self.key, round_, [self.tensor[:self.half], self.tensor[self.half:]])
+        result = handle.result(self.sync.reduce_timeout_s * 3 + 60)
+        t_end = time.time()
+        parts = [self.tensor if p == self.me else torch.cat(result.received[p]) for p in result.contributors]
+        mean = parts[0].clone()  # group order, as noloco.outer_step sums: every member gets the same bytes
+        for part in parts[1:]:
+            mean.add_(part)
+        mean.div_(len(parts))
+        return mean, {
+            "t_start": t_start, "t_end": t_end,
+            "contributors": result.contributors, "participants": result.participants,
+            "agreement_s": result.info["manifest_s"], "transfer_s": result.info["exchange_s"],
+            "leader": result.info["leader"], "lost_shards": [], "grpc_bytes_sent": self.traffic.sent - bytes_before}
 
 
 class HivemindWorker:
@@ -252,7 +288,9 @@ def work(args) -> None:
     torch.set_num_threads(1)
     wait_for(args.dir / "boot.json")
     initial_peers = json.loads((args.dir / "boot.json").read_text())
-    worker = (LowcommWorker if args.system.startswith("lowcomm") else HivemindWorker)(args, initial_peers)
+    kind = PairWorker if args.system == "lowcomm-pairs" else LowcommWorker if args.system.startswith("lowcomm") \
+        else HivemindWorker
+    worker = kind(args, initial_peers)
     touch(args.dir / f"id-{args.index}", worker.me)
     worker.wait_connected(args.peers)
     for i in range(args.peers):
@@ -288,7 +326,7 @@ def work(args) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("role", choices=["boot", "worker"])
-    parser.add_argument("--system", required=True, choices=["lowcomm", "lowcomm-zstd1", "hivemind"])
+    parser.add_argument("--system", required=True, choices=["lowcomm", "lowcomm-zstd1", "lowcomm-pairs", "hivemind"])
     parser.add_argument("--dir", type=Path, required=True)
     parser.add_argument("--host", required=True, help="boot: the control address; worker: the data address")
     parser.add_argument("--control-host", help="worker: the control address (the DHT's p2pd)")

@@ -58,7 +58,7 @@ def _add_simulate(sub) -> None:
     simulate.add_argument("--steps", type=int, help="inner steps per peer (overrides run.steps)")
     simulate.add_argument("--seed", type=int, help="overrides run.seed")
     simulate.add_argument("--inner-steps", type=int, help="H of the chosen algorithm (diloco.inner_steps, also "
-                          "Streaming DiLoCo's, or sparseloco.inner_steps)")
+                          "Streaming DiLoCo's, sparseloco.inner_steps or noloco.inner_steps)")
     simulate.add_argument("--codec", choices=["fp32", "uint8", "fp8"],
                           help="payload codec: diloco.codec (fp32 | uint8) or, for streaming-diloco, streaming.codec")
     simulate.add_argument("--fragments", type=int, help="Streaming DiLoCo's P (overrides streaming.fragments)")
@@ -153,7 +153,8 @@ def simulate(args) -> int:
         print("lowcomm: --stages is not available in this version (see the README's roadmap)", file=sys.stderr)
         return 2
     config = load_config(args.config).override({"run.algo": args.algo})
-    inner_steps_key = "sparseloco.inner_steps" if config.run.algo == "sparseloco" else "diloco.inner_steps"
+    inner_steps_key = (f"{config.run.algo}.inner_steps" if config.run.algo in ("sparseloco", "noloco")
+                       else "diloco.inner_steps")
     codec_key = "streaming.codec" if config.streaming_run else "diloco.codec"
     config = config.override({"run.steps": args.steps,
                               "run.seed": args.seed, inner_steps_key: args.inner_steps,

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from lowcomm.algorithms.demo import DemoConfig
+from lowcomm.algorithms.noloco import NoLoCoConfig
 from lowcomm.algorithms.sparseloco import SparseLoCoConfig
 from lowcomm.algorithms.streaming import CODECS as STREAMING_CODECS
 from lowcomm.algorithms.streaming import StreamingConfig, check_one_in_flight, rounds_started_by, step_after_rounds
@@ -27,7 +28,8 @@ from lowcomm.runtime.churn import parse_churn
 from lowcomm.transport.shaper import parse_link_option
 
 
-ALGOS = ("diloco", "streaming-diloco", "sparseloco", "demo", "ddp")
+ALGOS = ("diloco", "streaming-diloco", "sparseloco", "demo", "noloco", "ddp")
+NOLOCO_CODECS = ("fp32", "bf16", "uint8")  # collectives.pair_payload.WIRE_CODECS
 PER_STEP_ALGOS = ("ddp", "demo")  # sync every optimizer step, in membership epochs
 UNHASHED_SECTIONS = ("link", "churn")  # the emulated network: not part of what makes two runs the same
 
@@ -151,6 +153,7 @@ class RunConfig:
     streaming: StreamingConfig = field(default_factory=StreamingConfig)
     sparseloco: SparseLoCoConfig = field(default_factory=SparseLoCoConfig)
     demo: DemoConfig = field(default_factory=DemoConfig)
+    noloco: NoLoCoConfig = field(default_factory=NoLoCoConfig)
     ddp: DdpConfig = field(default_factory=DdpConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -168,7 +171,8 @@ class RunConfig:
         """Inner steps between two syncs: 1 for ddp, H for the local-update algorithms."""
         if self.per_step:
             return 1
-        return self.sparseloco.inner_steps if self.run.algo == "sparseloco" else self.diloco.inner_steps
+        return {"sparseloco": self.sparseloco.inner_steps,
+                "noloco": self.noloco.inner_steps}.get(self.run.algo, self.diloco.inner_steps)
 
     @property
     def overlap(self) -> bool:
@@ -249,6 +253,7 @@ class RunConfig:
                 raise ConfigError(f"sparseloco.{key} must be ≥ 1")
         if self.demo.topk < 1 or self.demo.chunk < 1 or not self.demo.lr > 0:
             raise ConfigError("demo.topk and demo.chunk must be ≥ 1 and demo.lr > 0")
+        self._validate_noloco()
         if self.diloco.codec not in ("fp32", "uint8"):
             raise ConfigError(f"diloco.codec = {self.diloco.codec!r}: use 'fp32' or 'uint8'")
         if self.model.d_model % self.model.n_heads:
@@ -280,6 +285,19 @@ class RunConfig:
         except ValueError as e:
             raise ConfigError(f"streaming.fragment_sync_delay / streaming.fragments with diloco.inner_steps = "
                               f"{self.diloco.inner_steps}: {e}") from None
+
+    def _validate_noloco(self) -> None:
+        n = self.noloco
+        if n.codec not in NOLOCO_CODECS:
+            raise ConfigError(f"noloco.codec = {n.codec!r}: use one of {', '.join(NOLOCO_CODECS)}")
+        if n.inner_steps < 1 or n.group_size < 1:
+            raise ConfigError("noloco.inner_steps and noloco.group_size must be ≥ 1")
+        if not n.outer_lr > 0 or not 0 <= n.momentum < 1:
+            raise ConfigError(f"noloco.outer_lr must be > 0 and noloco.momentum in [0, 1) "
+                              f"(got {n.outer_lr}, {n.momentum})")
+        if n.consensus is not None and (isinstance(n.consensus, bool) or not isinstance(n.consensus, (int, float))
+                                        or n.consensus < 0):
+            raise ConfigError(f"noloco.consensus = {n.consensus!r}: a number ≥ 0 (γ), or leave it out for γ = α")
 
     def _validate_links(self) -> None:
         specs = {"link.default": self.link.default}

@@ -72,3 +72,16 @@ def test_cli_simulate_accepts_streaming_diloco():
 
     args = build_parser().parse_args(["simulate", "--algo", "streaming-diloco", "--fragments", "4", "--codec", "fp8"])
     assert (args.algo, args.fragments, args.codec) == ("streaming-diloco", 4, "fp8")
+
+
+def test_noloco_section_defaults_and_validation():
+    c = default_config().override({"run.algo": "noloco"})
+    n = c.noloco
+    assert (n.group_size, n.outer_lr, n.momentum, n.gamma, n.codec) == (2, 0.7, 0.5, 0.7, "fp32")
+    assert c.steps_per_sync == n.inner_steps == c.diloco.inner_steps  # round for round with diloco
+    assert c.override({"noloco.inner_steps": 7}).steps_per_sync == 7
+    assert c.override({"noloco.consensus": 0.25}).noloco.gamma == 0.25
+    for key, value in (("noloco.codec", "q2"), ("noloco.group_size", 0), ("noloco.momentum", 1.0),
+                       ("noloco.consensus", -1.0)):
+        with pytest.raises(ConfigError, match=key.split(".")[1]):
+            c.override({key: value})

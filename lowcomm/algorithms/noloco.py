@@ -34,6 +34,7 @@ class NoLoCoConfig:
     outer_lr: float = 0.7  # α
     momentum: float = 0.5  # β
     consensus: float | None = None  # γ; None = α, as the reference code
+    codec: str = "fp32"  # wire codec of the contribution (runtime): fp32 | bf16 | uint8
 
     @property
     def gamma(self) -> float:

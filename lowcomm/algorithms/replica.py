@@ -16,6 +16,8 @@ from lowcomm.collectives.base import RoundResult
 
 
 class OuterReplica:
+    shared_phi = True  # every replica holds the same φ after a round: the peer checks its hash for drift
+
     def pseudo_gradients(self) -> list[torch.Tensor]:
         """Δ = φ − θ per parameter, on the CPU in float32."""
         return [phi.detach() - p.detach().to("cpu", torch.float32) for phi, p in zip(self.phi, self.model.parameters())]

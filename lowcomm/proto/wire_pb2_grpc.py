@@ -54,6 +54,11 @@ class PeerStub:
                 request_serializer=lowcomm_dot_proto_dot_wire__pb2.PingRequest.SerializeToString,
                 response_deserializer=lowcomm_dot_proto_dot_wire__pb2.PingReply.FromString,
                 _registered_method=True)
+        self.Exchange = channel.stream_unary(
+                '/lowcomm.Peer/Exchange',
+                request_serializer=lowcomm_dot_proto_dot_wire__pb2.ExchangeChunk.SerializeToString,
+                response_deserializer=lowcomm_dot_proto_dot_wire__pb2.ExchangeReply.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -83,6 +88,12 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Exchange(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +116,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Ping,
                     request_deserializer=lowcomm_dot_proto_dot_wire__pb2.PingRequest.FromString,
                     response_serializer=lowcomm_dot_proto_dot_wire__pb2.PingReply.SerializeToString,
+            ),
+            'Exchange': grpc.stream_unary_rpc_method_handler(
+                    servicer.Exchange,
+                    request_deserializer=lowcomm_dot_proto_dot_wire__pb2.ExchangeChunk.FromString,
+                    response_serializer=lowcomm_dot_proto_dot_wire__pb2.ExchangeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -215,6 +231,33 @@ class Peer:
             '/lowcomm.Peer/Ping',
             lowcomm_dot_proto_dot_wire__pb2.PingRequest.SerializeToString,
             lowcomm_dot_proto_dot_wire__pb2.PingReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Exchange(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/lowcomm.Peer/Exchange',
+            lowcomm_dot_proto_dot_wire__pb2.ExchangeChunk.SerializeToString,
+            lowcomm_dot_proto_dot_wire__pb2.ExchangeReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -2,6 +2,7 @@
 
     join:   DHT bootstrap → signed run config → gRPC server → reachability check → state download
     train:  inner steps; at each sync point the algorithm's collective round; drift check on φ
+            (not for NoLoCo: its replicas hold different φ by design)
     leave:  on SIGINT/SIGTERM, finish or abandon the round, expire records, stop the servers
 
 A joiner waits for the next round boundary and downloads that round's state, so it contributes
@@ -36,11 +37,14 @@ from lowcomm.algorithms.demo_replica import Demo
 from lowcomm.algorithms.demo_replica import combiner as demo_combiner
 from lowcomm.algorithms.diloco import DiLoCo
 from lowcomm.algorithms.overlapped import Overlapped
+from lowcomm.algorithms.noloco import group_of
+from lowcomm.algorithms.noloco_replica import NoLoCo
 from lowcomm.algorithms.sparseloco_replica import SparseLoCo
 from lowcomm.algorithms.sparseloco_replica import combiner as sparseloco_combiner
 from lowcomm.algorithms.streaming_replica import StreamingDiLoCo
 from lowcomm.collectives.base import CollectiveError, GroupKey, NotInRound, RoundResult
 from lowcomm.collectives.manifest import ManifestAgreement
+from lowcomm.collectives.pair_exchange import PairExchange
 from lowcomm.collectives.sharded_reduce import ShardedReduce
 from lowcomm.proto import wire_pb2
 from lowcomm.runtime.runlog import RunLog
@@ -69,8 +73,10 @@ class PeerOptions:
     data_shard: int | None = None
     num_shards: int = 64
     run_dir: Path | None = None
-    fault: str | None = None  # test hooks: "stall-sync@R" blocks inside round R's reduce,
-    # "late-announce@R" announces round R only after its manifest was written without this peer
+    fault: str | None = None  # test hooks: "stall-sync@R" blocks inside round R's reduce (or exchange),
+    # "late-announce@R" announces round R only after its manifest was written without this peer;
+    # "@R+" instead of "@R": every round from R on, so a stall comes in the first round from R this
+    # peer is a member of (one left out of round R on a loaded machine never reaches R's reduce)
     start_file: Path | None = None  # simulate's start barrier: train once this file exists
     link: LinkSpec | None = None  # emulated access link for all data-plane traffic (None: unshaped)
     dht_host: str | None = None  # address the DHT (p2pd) listens on; None: `host`
@@ -130,14 +136,22 @@ class Peer:
         combiner = {"sparseloco": lambda: sparseloco_combiner(self.config.sparseloco, shapes),
                     "demo": lambda: demo_combiner(self.config.demo, shapes)}.get(algo, lambda: None)()
         agreement = ManifestAgreement(self.control, sync, self.endpoint, self.client_mode, on_event=self.log.event)
-        self.collective = ShardedReduce(self.me, self.service, self.channels, self.traffic, agreement, sync, codec,
-                                        epoch_rounds, on_event=self.log.event, combiner=combiner)
+        if algo == "noloco":  # no all-reduce: each member trades (θ − φ, φ) with its group only
+            noloco = self.config.noloco
+            grouping = lambda run, round_, members: group_of(run, round_, members, noloco.group_size)  # noqa: E731
+            self.collective = PairExchange(self.me, self.service, self.channels, self.traffic, agreement, sync,
+                                           noloco.codec, shapes + shapes, grouping, on_event=self.log.event)
+        else:
+            self.collective = ShardedReduce(self.me, self.service, self.channels, self.traffic, agreement, sync,
+                                            codec, epoch_rounds, on_event=self.log.event, combiner=combiner)
         self.collective.before_send = self._fault_hook
         self.key = GroupKey(o.run_name)
         if algo == "ddp":
             self.algo = DataParallel(self.trainer.model, self.trainer.optimizer, self.collective, self.key)
         elif algo == "sparseloco":
             self.algo = SparseLoCo(self.trainer.model, self.config.sparseloco, self.collective, self.key)
+        elif algo == "noloco":
+            self.algo = NoLoCo(self.trainer.model, self.config.noloco, self.collective, self.key)
         elif algo == "demo":  # the run's warm-up schedule, scaled to DeMo's own lr
             lr_at = lambda step: self.trainer.lr_at(step) * self.config.demo.lr / self.config.inner.lr  # noqa: E731
             self.algo = Demo(self.trainer.model, self.config.demo, self.collective, self.key, lr_at)
@@ -263,7 +277,9 @@ class Peer:
         self.holder.publish(snapshot)
 
     def _catch_up(self, round_: int, late: NotInRound) -> RoundResult | None:
-        """A DiLoCo peer left out of a round applies the round's result from its members; else resync."""
+        """A DiLoCo peer left out of a round applies the round's result from its members; else resync.
+
+        (A NoLoCo replica takes the round as a group of one: algorithms.noloco_replica.)"""
         if self.config.per_step or late.manifest is None:
             self._resync(f"round {round_}: {late}")
             return None
@@ -358,11 +374,12 @@ class Peer:
     def _sync(self, round_: int) -> bool:
         """One collective round; True when this peer applied the agreed aggregate."""
         is_ddp = self.config.per_step  # ddp and DeMo: per-step syncs in membership epochs
+        shared_phi = getattr(self.algo, "shared_phi", True)  # False for NoLoCo: no global φ to agree on
         if is_ddp and round_ % self.config.ddp.epoch_steps == 0:
             self._publish_snapshot()  # a ddp joiner enters at an epoch boundary with this state
             if round_ > 0 and self._drift_check(round_):
                 return False
-        elif not is_ddp and round_ > 0 and self._drift_check(round_):
+        elif not is_ddp and round_ > 0 and shared_phi and self._drift_check(round_):
             return False
         self._late_announce_hook(round_)
         bytes_before, t0 = self.traffic.sent, time.time()
@@ -421,7 +438,8 @@ class Peer:
                     bytes_sent: int, publish: bool = True, **extra) -> None:
         """Bookkeeping of an applied round: counters, φ hash, snapshot, the round record, the eval due."""
         self.round = round_ + 1
-        tokens = weight * len(result.contributors)
+        # NoLoCo: every member of the round trained, though only the group's tokens are in this update
+        tokens = weight * result.info.get("trained_members", len(result.contributors))
         self.tokens_global += tokens
         self.record.round = self.round
         phi_hash = self.algo.phi_hash()
@@ -431,14 +449,16 @@ class Peer:
                        participants=result.participants, contributors=result.contributors, phi_hash=phi_hash,
                        tokens=tokens, tokens_global=self.tokens_global,
                        leader=result.info.get("leader"), manifest_s=result.info.get("manifest_s"),
-                       reduce_s=result.info.get("reduce_s"), **extra)
+                       reduce_s=result.info.get("reduce_s", result.info.get("exchange_s")),
+                       **result.info.get("record", {}), **extra)
         added, leader = self._pending_eval or (0, False)  # two streaming rounds may land in one step
         self._pending_eval = (added + tokens, leader or result.info.get("leader") == self.me)
 
     def _publish_round(self) -> None:
         """φ's hash (the drift check) and the state snapshot (joiners) under the round reached."""
         is_ddp = self.config.per_step
-        if not is_ddp or self.round % self.config.ddp.epoch_steps == 0:
+        shared_phi = getattr(self.algo, "shared_phi", True)  # False for NoLoCo: no global φ to agree on
+        if shared_phi and (not is_ddp or self.round % self.config.ddp.epoch_steps == 0):
             self.control.publish_phi_hash(self.key.group, self.round, self.algo.phi_hash(),
                                           self.config.sync.record_ttl_s * 6)
         if not is_ddp:  # ddp's state is complete only after the optimizer step: it snapshots at epoch starts
@@ -513,7 +533,10 @@ class Peer:
 
     def _fault_at(self, kind: str, round_: int) -> bool:
         fault = self.options.fault or ""
-        return fault.startswith(f"{kind}@") and round_ == int(fault.split("@")[1])
+        if not fault.startswith(f"{kind}@"):
+            return False
+        at = fault.split("@")[1]
+        return round_ >= int(at[:-1]) if at.endswith("+") else round_ == int(at)
 
     def _fault_hook(self, round_: int) -> None:
         if self._fault_at("stall-sync", round_):

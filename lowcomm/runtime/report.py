@@ -1,7 +1,7 @@
 """The simulation report of DESIGN.md, assembled from the peers' JSONL records.
 
 Beyond DESIGN.md's fields: `links` (each peer's emulated link, None when unshaped, from its start
-event), for Streaming DiLoCo `rounds[].fragment` and `rounds[].blocked_s` (the longest any peer's
+event), NoLoCo's `rounds[].groups` and `rounds[].paired` (see `_gossip_round`), for Streaming DiLoCo `rounds[].fragment` and `rounds[].blocked_s` (the longest any peer's
 training waited for the round at its apply step; its `sync_s` is the reduce's own time, which
 overlaps τ inner steps), and `rounds[].link_bound_s`, the least time the round's bytes needed on the links: the
 largest bytes / upload rate over the round's shaped peers. Every peer's sync starts before the
@@ -92,14 +92,25 @@ def _rounds(records: list[dict], first_t: float, links: dict[str, str | None]) -
     rows = []
     for round_, rs in sorted(by_round.items()):
         leader = next((r for r in rs if r.get("leader") == r["peer"]), rs[0])
-        rows.append({"round": round_, "t": min(r["t0"] for r in rs) - first_t, "tokens": leader["tokens"],
-                     "bytes": sum(r["bytes"] for r in rs), "sync_s": max(r["sync_s"] for r in rs),
-                     "link_bound_s": _link_bound_s(rs, links),
-                     "participants": leader["participants"], "contributors": leader["contributors"],
-                     "phi_hashes": sorted({r["phi_hash"] for r in rs})})
+        row = {"round": round_, "t": min(r["t0"] for r in rs) - first_t, "tokens": leader["tokens"],
+               "bytes": sum(r["bytes"] for r in rs), "sync_s": max(r["sync_s"] for r in rs),
+               "link_bound_s": _link_bound_s(rs, links),
+               "participants": leader["participants"], "contributors": leader["contributors"],
+               "phi_hashes": sorted({r["phi_hash"] for r in rs})}
+        if any("group" in r for r in rs):
+            row.update(_gossip_round(rs))
         if "fragment" in leader:  # Streaming DiLoCo: which fragment, and how long training waited for it
-            rows[-1].update(fragment=leader["fragment"], blocked_s=max(r.get("blocked_s", 0.0) for r in rs))
+            row.update(fragment=leader["fragment"], blocked_s=max(r.get("blocked_s", 0.0) for r in rs))
+        rows.append(row)
     return rows
+
+
+def _gossip_round(rs: list[dict]) -> dict:
+    """NoLoCo: no round-wide aggregate, one group per member. Contributors: every replica that took the
+    round (its own contribution is always in its update); paired: those that averaged with a mate."""
+    return {"contributors": sorted({p for r in rs for p in r["contributors"]}),
+            "groups": sorted({tuple(r["group"]) for r in rs if r.get("group")}),
+            "paired": sorted(r["peer"] for r in rs if len(r["contributors"]) > 1)}
 
 
 def _evals(records: list[dict], first_t: float, cumulative_bytes: dict[int, int]) -> list[dict]:

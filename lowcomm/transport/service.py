@@ -1,6 +1,6 @@
 """The gRPC `Peer` service: counts (and paces) traffic and hands each call to the layer that owns it.
 
-Collectives register the reduce and hole-filling handlers, the runtime registers the state
+Collectives register the reduce, hole-filling and pair-exchange handlers, the runtime registers the state
 provider; a call that arrives before its handler is registered gets a clear error, not a crash.
 Any exception a handler raises is turned into an error status and counted, never propagated.
 """
@@ -27,6 +27,7 @@ class PeerService(wire_pb2_grpc.PeerServicer):
         self.round = 0
         self.reduce_handler: Callable | None = None
         self.shard_handler: Callable | None = None
+        self.exchange_handler: Callable | None = None  # (requests, context) -> ExchangeReply
         self.state_handler: Callable | None = None
         self.checkpointer: str | None = None  # the coordinator's peer id: its GetState calls are checkpoints
         self._errors = 0
@@ -77,6 +78,18 @@ class PeerService(wire_pb2_grpc.PeerServicer):
         except Exception as e:
             self._failed("GetState", e, context)
             yield wire_pb2.StateChunk(error=f"{type(e).__name__}: {e}")
+
+    def Exchange(self, request_iterator, context):
+        if self.exchange_handler is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "this peer runs no pair exchange")
+        deadline = context_deadline(context)
+        try:
+            reply = self.exchange_handler(self.traffic.receiving(request_iterator, deadline), context)
+        except Exception as e:  # hostile input must never take the server down
+            self._failed("Exchange", e, context)
+            reply = wire_pb2.ExchangeReply(status=wire_pb2.ExchangeReply.REJECTED, error=f"{type(e).__name__}: {e}")
+        self.traffic.count_sent(reply, deadline)
+        return reply
 
     def Ping(self, request, context):
         deadline = context_deadline(context)
