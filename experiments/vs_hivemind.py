@@ -64,10 +64,18 @@ def run_lowcomm(out: Path, algo: str, rate: int, steps: int, peers: int, seed: i
            "--steps", str(steps), "--seed", str(seed), "--netns", "--link", f"{rate}mbit",
            "--report", str(report_path), "--run-dir", str(out / "runs" / name)]
     subprocess.run(cmd, check=True)
+    return lowcomm_row(out, report_path, algo, rate, steps, peers)
+
+
+def lowcomm_row(out: Path, report_path: Path, algo: str, rate: int, steps: int, peers: int) -> dict:
     report = json.loads(report_path.read_text())
     return {"system": f"lowcomm {algo}", "algo": algo, "rate_mbit": rate, "steps": steps, "peers": peers,
             "final_loss": report["final_loss"], "tokens": report["tokens"], "wall_s": report["wall_s"],
             "compute_s": report["compute_s"], "wire_bytes": report["wire_bytes_peers"],
+            # what the wire bytes hold besides the payloads: the DHT (p2pd) and the state the peers
+            # served to the coordinator's checkpoints (hivemind's rows have neither checkpoints nor a split)
+            "control_bytes": report["control_bytes"], "checkpoint_bytes": report["checkpoint_bytes"],
+            "app_bytes": report["bytes_sent"],
             "evals": [{k: e[k] for k in ("t", "tokens", "loss")} for e in report["evals"]],
             "wire_timeline": report["wire_timeline"], "report": str(report_path.relative_to(out))}
 
@@ -182,10 +190,17 @@ def _fmt(x, spec: str, none: str = "not reached") -> str:
     return none if x is None else format(x, spec)
 
 
+def _split(row: dict) -> str:
+    if row.get("control_bytes") is None:
+        return "n/a"
+    return f"{row['control_bytes'] / row['wire_bytes']:.0%}, {row['checkpoint_bytes'] / row['wire_bytes']:.0%}"
+
+
 def table(rows: dict, peers: int) -> str:
     lines = ["| link | system | steps/peer | final loss | time to ddp's loss s | wire bytes to it | speed-up vs ddp "
-             "| vs hivemind: time, bytes | wire bytes/token | compute util. | wall s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| vs hivemind: time, bytes | wire bytes/token | of all wire bytes: DHT, checkpoints | compute util. "
+             "| wall s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     notes = []
     for rate in sorted({r["rate_mbit"] for r in rows.values()}, reverse=True):
         at = [r for r in rows.values() if r["rate_mbit"] == rate]
@@ -205,7 +220,7 @@ def table(rows: dict, peers: int) -> str:
             util = r["compute_s"] / (r["peers"] * r["wall_s"]) if r["wall_s"] else None
             lines.append(f"| {rate} Mbit/s | {r['system']} | {r['steps']} | {r['final_loss']:.4f} | "
                          f"{_fmt(hit['time_s'], '.0f')} | {_fmt(hit['bytes'] and hit['bytes'] / 1e6, '.1f', 'n/a')} MB | "
-                         f"{_fmt(speed, '.2f', 'n/a')}x | {vs_h} | {r['wire_bytes'] / r['tokens']:.1f} | "
+                         f"{_fmt(speed, '.2f', 'n/a')}x | {vs_h} | {r['wire_bytes'] / r['tokens']:.1f} | {_split(r)} | "
                          f"{_fmt(util, '.2f', 'n/a')} | {r['wall_s']:.0f} |")
         if ddp:
             per_step = ddp["wall_s"] / ddp["steps"]
@@ -268,6 +283,10 @@ def main() -> None:
                   f"ETA {eta / 60:.0f} min for {left} rows", flush=True)
         if path.exists():
             rows[name] = json.loads(path.read_text())
+            report = args.out / rows[name].get("report", "-")
+            if system != "hivemind" and "control_bytes" not in rows[name] and report.exists():
+                rows[name] = lowcomm_row(args.out, report, system, rate, steps, args.peers)  # rows from before the split
+                path.write_text(json.dumps(rows[name], indent=1))
         (args.out / "table.md").write_text(table(rows, args.peers))
         (args.out / "results.json").write_text(json.dumps(rows, indent=1))
         plot(rows, args.out)
