@@ -263,6 +263,9 @@ class RunConfig:
             if value < 1:
                 raise ConfigError(f"{name} must be >= 1 (got {value})")
         self._validate_streaming()
+        if self.diloco.overlap and self.streaming_run:
+            raise ConfigError("diloco.overlap with run.algo = 'streaming-diloco': Streaming DiLoCo overlaps "
+                              "through streaming.fragment_sync_delay; set diloco.overlap = false")
         self._validate_links()
         try:
             parse_churn(self.churn.spec)

@@ -149,7 +149,16 @@ def test_an_entering_replica_fetches_the_round_in_flight():
     manifests = {4: "manifest-4"}
     replica = Overlapped(inner, manifest_of=manifests.get)
     replica.load_state_tensors(inner.state_tensors())
-    replica.enter(5)
+    assert replica.enter(5, wait_s=1.0)
+    manifests.clear()  # expired from the DHT by the first sync: it was read at entry
     result = replica.sync(5, 1.0, timeout=5)
     assert asked == [(4, "manifest-4")] and result.info["round"] == 4
     assert replica.pending[0] == 5
+
+
+def test_entering_without_the_rounds_manifest_drops_it():
+    """A state resumed from a checkpoint: the round in flight ran in another swarm; nothing pends."""
+    inner = DiLoCo(make_model(), DilocoConfig(), InProcessGroup(1).replica(0), KEY)
+    replica = Overlapped(inner, manifest_of=lambda round_: None)
+    assert not replica.enter(3, wait_s=0.2)
+    assert replica.pending is None

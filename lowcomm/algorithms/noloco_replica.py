@@ -54,7 +54,17 @@ class NoLoCo(OuterReplica):
         """The outer step on the group's arrivals (own included), then θ ← φ."""
         n = len(self.phi)
         received = {peer: Contribution(tensors[:n], tensors[n:]) for peer, tensors in result.received.items()}
+        before = [p.clone() for p in self.phi], [m.clone() for m in self.momentum]
         outer_step(self.phi, self.momentum, delivered(result.group, result.me, received, self._own), self.config)
+        if not all(bool(torch.isfinite(p).all()) for p in self.phi):
+            # finite inputs near the float32 limit can still overflow the mean: the round is taken
+            # as a group of one instead, so no mate's values can put inf or NaN into φ
+            with torch.no_grad():
+                for p, m, p0, m0 in zip(self.phi, self.momentum, *before):
+                    p.copy_(p0)
+                    m.copy_(m0)
+            outer_step(self.phi, self.momentum, [self._own], self.config)
+            result.info["overflow"] = True
         self._own = None
         self.load_phi_into_model()
 

@@ -16,8 +16,9 @@ Late and new replicas. A replica left out of round t−1's manifest learns it wh
 round (``NotInRound`` with the manifest): it fetches the round's agreed aggregate from the members
 (``fetch_round``), applies the same outer step and stays on the shared φ, losing only its own
 Δ_{t−1}. A replica that enters from a state download labelled round r holds φ_{r−2} (what the
-members held after launching round r−1), so ``enter(r)`` schedules round r−1's aggregate to be
-fetched the same way at its first sync: from then on it holds the members' φ. Any other failure
+members held after launching round r−1), so ``enter(r)`` reads round r−1's manifest at once and
+schedules its aggregate to be fetched the same way at the first sync: from then on it holds the
+members' φ. (A state resumed from a checkpoint has no such round: it is dropped, and said so.) Any other failure
 of a pending round propagates as CollectiveError (the peer resyncs and ``enter``s again).
 """
 
@@ -39,18 +40,11 @@ POLL_S = 0.1
 class _FetchRound:
     """A pending round this replica did not take part in: its aggregate, fetched from its members."""
 
-    def __init__(self, round_: int, manifest_of: Callable[[int], object]):
-        self.round, self.manifest_of = round_, manifest_of
+    def __init__(self, round_: int, manifest):
+        self.round, self.manifest = round_, manifest
 
     def result(self, timeout: float | None = None) -> RoundResult:
-        deadline = time.monotonic() + (timeout if timeout is not None else 60.0)
-        manifest = self.manifest_of(self.round)
-        while manifest is None and time.monotonic() < deadline:
-            time.sleep(POLL_S)
-            manifest = self.manifest_of(self.round)
-        if manifest is None:
-            raise CollectiveError(f"round {self.round}: no manifest to catch up from")
-        raise NotInRound(f"round {self.round} ran before this replica entered", manifest)
+        raise NotInRound(f"round {self.round} ran before this replica entered", self.manifest)
 
 
 class Overlapped:
@@ -84,10 +78,23 @@ class Overlapped:
         self.inner.load_state_tensors(tensors)
         self.start, self.pending = self._theta(), None
 
-    def enter(self, round_: int) -> None:
-        """After a download labelled ``round_``: round_ − 1's aggregate is still to be applied."""
-        if round_ > 0:
-            self.pending = (round_ - 1, _FetchRound(round_ - 1, self.manifest_of))
+    def enter(self, round_: int, wait_s: float) -> bool:
+        """After a download labelled ``round_``: round_ − 1's aggregate is still to be applied.
+
+        Its manifest is read now, while it is fresh in the DHT (it expires before the first sync on
+        a slow peer), waiting at most ``wait_s``. False when there is none (a state from a
+        checkpoint holder after a resume, whose round ran in another swarm): that round is dropped.
+        """
+        if round_ <= 0:
+            return True
+        deadline = time.monotonic() + wait_s
+        manifest = self.manifest_of(round_ - 1)
+        while manifest is None and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            manifest = self.manifest_of(round_ - 1)
+        if manifest is not None:
+            self.pending = (round_ - 1, _FetchRound(round_ - 1, manifest))
+        return manifest is not None
 
     # ---- the recurrence ----------------------------------------------------------------------
 

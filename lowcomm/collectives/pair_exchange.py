@@ -101,6 +101,7 @@ class PairExchange:
         self._rounds = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pair-round")
         self._pushes = ThreadPoolExecutor(max_workers=32, thread_name_prefix="pair-push")  # apart: a round waits on them
         service.exchange_handler = self._serve
+        service.exchange_cap_s = sync.reduce_timeout_s + sync.manifest_s
 
     # ---- the caller's side ----------------------------------------------------------------
 

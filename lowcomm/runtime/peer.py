@@ -250,8 +250,9 @@ class Peer:
             self.round, self.tokens_global = int(state.round), int(state.tokens)
             self.step = self.config.step_after_rounds(self.round)
             self.open_round = None  # a streaming round begun before this state is void
-            if self.config.overlap:
-                self.algo.enter(self.round)  # the round in flight when the state was taken lands at our first sync
+            # overlap: the round in flight when the state was taken lands at our first sync
+            if self.config.overlap and not self.algo.enter(self.round, wait_s=self.config.sync.manifest_s):
+                self.log.event("round_dropped", round=self.round - 1, reason="no manifest (a resumed checkpoint?)")
             self.collective.end_epoch(self.key)
             self._publish_snapshot()
             self.log.event("state_received", source=source.peer_id, round=self.round, phi_hash=self.algo.phi_hash())
@@ -297,6 +298,7 @@ class Peer:
             # the run ends before the next boundary: nothing left to join, stop as done
             self.step = self.config.run.steps
             self.log.event("late_at_end", round=self.round)
+            self._pending_eval = self._pending_eval or (0, False)  # its final evaluation is still due
             return
         if not self._fetch_state(min_round=self.round + 1):
             raise RuntimeError("no peer to resync from; leaving the run")
@@ -369,6 +371,8 @@ class Peer:
                 self.log.write("compute", compute_s=self.trainer.compute_s, steps=self.steps_done,
                                tokens=self.tokens_trained, first_step_t=first_step_t, last_step_t=time.time(),
                                bytes_sent=self.traffic.sent, checkpoint_bytes=self.traffic.checkpoint_sent)
+        if self.config.overlap and self.algo.pending is not None and not self.stop_requested.is_set():
+            self._drain_overlap()
         self.log.event("done" if self.step >= total else "stopped", round=self.round, step=self.step)
 
     def _sync(self, round_: int) -> bool:
@@ -409,6 +413,27 @@ class Peer:
         except (CollectiveError, TimeoutError) as e:  # a late round was caught up inside; this is worse
             self._resync(f"round {round_ - 1}: {e}")
             return False
+        self._land(landed, weight, t0, bytes_before)
+        self.round = self.record.round = round_ + 1
+        self._publish_round()
+        return True
+
+    def _drain_overlap(self) -> None:
+        """The end of an overlapped run whose steps are not a multiple of H: the last round lands."""
+        t0, bytes_before = time.time(), self.traffic.sent
+        try:
+            landed = self.algo.drain(self._round_timeout())
+        except (CollectiveError, TimeoutError) as e:  # the final φ misses that round: say so, θ ← φ anyway
+            self.log.event("round_dropped", round=self.round - 1, reason=str(e)[:200])
+            self.algo.inner.load_phi_into_model()
+            landed = None
+        self._land([landed], self.trainer.tokens_per_step * self.rounds_per_sync, t0, bytes_before)
+        self._publish_round()
+        self._pending_eval = self._pending_eval or (0, False)
+        self._maybe_evaluate(*self._pending_eval)
+
+    def _land(self, landed: list, weight: float, t0: float, bytes_before: int) -> None:
+        """Records the rounds whose aggregates the overlap applied just now (None: nothing landed)."""
         for result in filter(None, landed):
             self._round_done(result.info["round"], result, weight, t0, sync_s=time.time() - t0,
                              bytes_sent=self.traffic.sent - bytes_before, publish=False,
@@ -416,9 +441,6 @@ class Peer:
             if result.info.get("caught_up"):
                 self.log.event("caught_up", round=result.info["round"], contributors=len(result.contributors))
             t0, bytes_before = time.time(), self.traffic.sent
-        self.round = self.record.round = round_ + 1
-        self._publish_round()
-        return True
 
     def _round_timeout(self) -> float:
         sync = self.config.sync

@@ -28,6 +28,7 @@ class PeerService(wire_pb2_grpc.PeerServicer):
         self.reduce_handler: Callable | None = None
         self.shard_handler: Callable | None = None
         self.exchange_handler: Callable | None = None  # (requests, context) -> ExchangeReply
+        self.exchange_cap_s = 120.0  # the longest one Exchange call may hold a server thread
         self.state_handler: Callable | None = None
         self.checkpointer: str | None = None  # the coordinator's peer id: its GetState calls are checkpoints
         self._errors = 0
@@ -83,11 +84,18 @@ class PeerService(wire_pb2_grpc.PeerServicer):
         if self.exchange_handler is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "this peer runs no pair exchange")
         deadline = context_deadline(context)
+        # A client that sets no deadline and trickles its stream must not hold a server thread for
+        # good: the call is cancelled after exchange_cap_s whatever the client asked for.
+        cap = threading.Timer(self.exchange_cap_s, context.cancel)
+        cap.daemon = True
+        cap.start()
         try:
             reply = self.exchange_handler(self.traffic.receiving(request_iterator, deadline), context)
         except Exception as e:  # hostile input must never take the server down
             self._failed("Exchange", e, context)
             reply = wire_pb2.ExchangeReply(status=wire_pb2.ExchangeReply.REJECTED, error=f"{type(e).__name__}: {e}")
+        finally:
+            cap.cancel()
         self.traffic.count_sent(reply, deadline)
         return reply
 
