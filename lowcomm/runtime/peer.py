@@ -301,6 +301,14 @@ class Peer:
             self._pending_eval = self._pending_eval or (0, False)  # its final evaluation is still due
             return
         if not self._fetch_state(min_round=self.round + 1):
+            if self.stop_requested.is_set():
+                return
+            if not any(r.state == "training" for r in self.control.live_peers().values()):
+                # everyone else finished and left while this peer was behind: the run is over
+                self.step = self.config.run.steps
+                self.log.event("run_over", round=self.round)
+                self._pending_eval = self._pending_eval or (0, False)
+                return
             raise RuntimeError("no peer to resync from; leaving the run")
 
     def _drift_check(self, round_: int) -> bool:
