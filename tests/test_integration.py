@@ -183,7 +183,8 @@ def test_hostile_messages_get_errors_and_the_peer_keeps_training(scenario):
 
 def test_checkpoint_resume_continues_at_its_round_with_identical_phi(scenario, tmp_path):
     checkpoint = load_checkpoint(Path(scenario["sim"].run_dir) / "checkpoints")
-    assert checkpoint.round >= 2 and checkpoint.round % 2 == 0
+    # every 2 rounds: the coordinator asks for a multiple of 2 and takes the holder's newest state at or after it
+    assert checkpoint.round >= 2
     # The state peers served to the checkpointer is counted apart from the training bytes.
     served = sum(e.get("checkpoint_bytes", 0) for e in events(scenario["records"], "exit"))
     assert served >= len(checkpoint.blob)

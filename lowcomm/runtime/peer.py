@@ -424,6 +424,10 @@ class Peer:
         self._land(landed, weight, t0, bytes_before)
         self.round = self.record.round = round_ + 1
         self._publish_round()
+        if self.round < self.config.total_rounds and not self._fault_at("late-announce", self.round):
+            # Announce the next round now: compute does not wait for the reduce, so a peer a few seconds
+            # behind would otherwise miss every announce window from here on and never contribute again.
+            self.collective.announce_ahead(self.key, self.round)
         return True
 
     def _drain_overlap(self) -> None:
