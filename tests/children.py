@@ -1,5 +1,5 @@
-"""Helpers for tests that start and watch child processes: a bounded wait on a condition, and
-the SIGINT disposition a child needs to see Ctrl-C."""
+"""Helpers for tests that start and watch child processes: a bounded wait on a condition, the
+SIGINT disposition a child needs to see Ctrl-C, and lookups in the peers' records."""
 
 from __future__ import annotations
 
@@ -23,3 +23,17 @@ def default_sigint() -> None:
     """A child of a shell that started this run in the background inherits SIGINT ignored, and
     Python then never raises KeyboardInterrupt: give the child the default disposition back."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def events(records: list[dict], kind: str, peer: str | None = None) -> list[dict]:
+    """The event records of ``kind`` (of one peer when given), in record order."""
+    return [r for r in records if r["type"] == "event" and r.get("kind") == kind and (peer is None or r["peer"] == peer)]
+
+
+def rounds_of(records: list[dict]) -> dict[int, list[dict]]:
+    """Every peer's round records, by round."""
+    by_round: dict[int, list[dict]] = {}
+    for r in records:
+        if r["type"] == "round":
+            by_round.setdefault(r["round"], []).append(r)
+    return by_round

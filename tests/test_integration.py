@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from children import wait_until
+from children import events, rounds_of, wait_until
 
 from lowcomm.compress import get_codec
 from lowcomm.config import default_config
@@ -30,9 +30,6 @@ def small_config(steps):
         "run.steps": steps, "diloco.inner_steps": H, "data.eval_every_tokens": 4 * H * 16 * 64 * 2,
         "sync.reduce_timeout_s": 8.0, "sync.announce_s": 3.0, "sync.manifest_s": 3.0, "checkpoint.every_rounds": 2})
 
-
-def events(records, kind, peer=None):
-    return [r for r in records if r["type"] == "event" and r.get("kind") == kind and (peer is None or r["peer"] == peer)]
 
 
 def send_hostile_messages(endpoint: str, member: str, round_: int) -> list[str]:
@@ -103,13 +100,6 @@ def scenario(tmp_path_factory):
     out["records"] = sim.records()
     return out
 
-
-def rounds_of(records):
-    by_round = {}
-    for r in records:
-        if r["type"] == "round":
-            by_round.setdefault(r["round"], []).append(r)
-    return by_round
 
 
 def test_peers_train_and_held_out_loss_falls(scenario):

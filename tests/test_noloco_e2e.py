@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import pytest
-from children import wait_until
+from children import events, rounds_of, wait_until
 
 from lowcomm.config import default_config
 from lowcomm.runtime.runlog import read_records
@@ -29,16 +29,6 @@ def small_config():
         "sync.reduce_timeout_s": 8.0, "sync.announce_s": 3.0, "sync.manifest_s": 3.0})
 
 
-def rounds_of(records) -> dict[int, list[dict]]:
-    by_round = defaultdict(list)
-    for r in records:
-        if r["type"] == "round":
-            by_round[r["round"]].append(r)
-    return dict(by_round)
-
-
-def events(records, kind, peer=None):
-    return [r for r in records if r["type"] == "event" and r.get("kind") == kind and (peer is None or r["peer"] == peer)]
 
 
 def assert_pairing_agrees(by_round: dict[int, list[dict]]) -> None:

@@ -4,7 +4,7 @@ late, a peer left out of a round and a joiner both catching the round up from it
 from __future__ import annotations
 
 import pytest
-from children import wait_until
+from children import events, rounds_of, wait_until
 
 from lowcomm.config import default_config
 from lowcomm.runtime.sim import Simulation
@@ -20,16 +20,6 @@ def config(algo: str):
         "sync.reduce_timeout_s": 8.0, "sync.announce_s": 3.0, "sync.manifest_s": 3.0})
 
 
-def events(records, kind, peer=None):
-    return [r for r in records if r["type"] == "event" and r.get("kind") == kind and (peer is None or r["peer"] == peer)]
-
-
-def rounds_of(records) -> dict[int, list[dict]]:
-    out = {}
-    for r in records:
-        if r["type"] == "round":
-            out.setdefault(r["round"], []).append(r)
-    return out
 
 
 @pytest.fixture(scope="module", params=["diloco", "sparseloco"])

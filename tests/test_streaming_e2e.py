@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from children import events
 
 from lowcomm.config import default_config
 from lowcomm.runtime.sim import Simulation
@@ -42,10 +43,6 @@ def run(tmp_path_factory):
     report = sim.run()  # raises if any process group outlived the run
     return {"report": report, "records": sim.records(), "run_dir": run_dir}
 
-
-def events(records, kind, peer=None):
-    return [r for r in records
-            if r["type"] == "event" and r.get("kind") == kind and (peer is None or r["peer"] == peer)]
 
 
 def test_every_fragment_round_has_all_its_members_and_one_phi(run):
