@@ -179,12 +179,16 @@ def main() -> None:
         path = args.out / f"{cell_name(*cell)}.json"
         if not args.table_only and not path.exists():
             t0 = time.time()
+            reused = args.reuse is not None and (args.reuse / path.name).exists()
             print(f"[{i + 1}/{len(todo)}] {cell_name(*cell)} ...", flush=True)
             run_cell(args.out, *cell, reuse=args.reuse)
-            ran += 1
+            if reused:  # not run: it says nothing about how long a cell takes
+                started += time.time() - t0
+            else:
+                ran += 1
             left = sum(1 for c in todo[i + 1:] if not (args.out / f"{cell_name(*c)}.json").exists())
             print(f"[{i + 1}/{len(todo)}] {cell_name(*cell)} done in {time.time() - t0:.0f}s; "
-                  f"ETA {(time.time() - started) / ran * left / 60:.0f} min for {left} cells", flush=True)
+                  f"ETA {(time.time() - started) / max(ran, 1) * left / 60:.0f} min for {left} cells", flush=True)
         if path.exists():
             results[cell] = json.loads(path.read_text())
         missing = [c for c in todo if not (args.out / f"{cell_name(*c)}.json").exists()]
