@@ -46,6 +46,9 @@ def _add_peer(sub) -> None:
     join.add_argument("--link", metavar="RATE[:LATENCY]",
                       help="emulate this access link for all data-plane traffic, e.g. 20mbit:80ms, or "
                            "unlimited:80ms for latency only (default: none)")
+    join.add_argument("--stage", type=int, help="pipelined runs: serve this stage from the run's initial weights "
+                      "(simulate's initial placement; default: the stage that needs a newcomer most)")
+    join.add_argument("--slowdown", type=float, default=1.0, help=argparse.SUPPRESS)  # emulates a slower device
     join.add_argument("--fault", help=argparse.SUPPRESS)
     join.add_argument("--start-file", type=Path, help=argparse.SUPPRESS)
 
@@ -73,7 +76,8 @@ def _add_simulate(sub) -> None:
     simulate.add_argument("--churn", metavar="SPEC",
                           help="inject churn: a schedule such as kill:1@r3,leave:1@r4,join:2@t30s (at round rN or "
                                "N seconds tNs) or a rate such as 0.25/round (overrides churn.spec; none disables)")
-    simulate.add_argument("--stages", help=argparse.SUPPRESS)
+    simulate.add_argument("--stages", type=int, help="cut the model into S pipeline stages, each served by "
+                          "changing sets of peers (overrides pipeline.stages; churn adds killstage:S@rR)")
     simulate.add_argument("--netns", action="store_true", default=None,
                           help="Linux, root: each process in its own network namespace; the RATE of --link "
                                "becomes a kernel htb cap on every byte (DHT included), LATENCY stays in lowcomm's "
@@ -140,7 +144,7 @@ def peer_join(args) -> int:
                           port=args.port, announce_addr=args.announce_addr, device=args.device,
                           client_mode=args.client_mode, data_shard=args.data_shard, num_shards=args.num_shards,
                           run_dir=args.run_dir, fault=args.fault, start_file=args.start_file, link=link,
-                          dht_host=args.dht_host)
+                          dht_host=args.dht_host, stage=args.stage, slowdown=args.slowdown)
     return Peer(options).run()
 
 
@@ -149,10 +153,7 @@ def simulate(args) -> int:
     from lowcomm.runtime.sim import Simulation, SimulationError
     from lowcomm.transport.netns import NetnsError, NetnsUnavailable
 
-    if args.stages:
-        print("lowcomm: --stages is not available in this version (see the README's roadmap)", file=sys.stderr)
-        return 2
-    config = load_config(args.config).override({"run.algo": args.algo})
+    config = load_config(args.config).override({"run.algo": args.algo, "pipeline.stages": args.stages})
     inner_steps_key = (f"{config.run.algo}.inner_steps" if config.run.algo in ("sparseloco", "noloco")
                        else "diloco.inner_steps")
     codec_key = "streaming.codec" if config.streaming_run else "diloco.codec"
@@ -165,7 +166,8 @@ def simulate(args) -> int:
     links = sorted({config.link.spec_for(i) or "unshaped" for i in range(args.peers)})
     churn = f", churn {parse_churn(config.churn.spec)}" if parse_churn(config.churn.spec) else ""
     mode = " in network namespaces (htb caps)" if config.link.netns else ""
-    print(f"simulating {args.peers} peers, algo {config.run.algo}, {config.run.steps} steps each, "
+    stages = f" in {config.pipeline.stages} pipeline stages" if config.pipelined else ""
+    print(f"simulating {args.peers} peers{stages}, algo {config.run.algo}, {config.run.steps} steps each, "
           f"links {', '.join(links)}{mode}{churn}; records in {run_dir}", file=sys.stderr)
     try:
         report = Simulation(config, args.peers, run_dir).run()

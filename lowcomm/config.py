@@ -102,6 +102,25 @@ class SyncConfig:
 
 
 @dataclass
+class PipelineConfig:
+    """The model cut into stages served by changing sets of peers (pipeline, runtime.stage_peer)."""
+
+    stages: int = 1  # S > 1: pipeline mode (`simulate --stages`); must divide model.n_layers
+    round_s: float = 15.0  # a stage's replicas sync every round_s seconds of DHT time (weighted by steps)
+    checkfree_plus: bool = True  # S >= 4: swap the end stages' blocks on odd microbatches, replicate embed/head
+    recovery: str = "checkfree"  # checkfree | checkpoint (a lost stage restored from its last stage checkpoint)
+    checkpoint_every_rounds: int = 0  # K > 0: every K rounds a stage's leader writes the stage to the run folder
+    hop_timeout_s: float = 30.0  # one forward or backward call; a timeout retries on another replica
+    stage_wait_s: float = 180.0  # how long a driver waits for a stage with no replica before dropping a microbatch
+    rebalance_every_rounds: int = 2  # a rebalancing check after every such round (0: only the test hook)
+    hysteresis: float = 0.1  # a move must lift the weaker of its two stages above (1 + this) x the target's total
+
+    @property
+    def replicate_ends(self) -> bool:
+        return self.checkfree_plus and self.stages >= 4
+
+
+@dataclass
 class CheckpointConfig:
     every_rounds: int = 5
     keep: int = 3
@@ -156,6 +175,7 @@ class RunConfig:
     noloco: NoLoCoConfig = field(default_factory=NoLoCoConfig)
     ddp: DdpConfig = field(default_factory=DdpConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     link: LinkConfig = field(default_factory=LinkConfig)
     churn: ChurnConfig = field(default_factory=ChurnConfig)
@@ -266,6 +286,7 @@ class RunConfig:
         if self.diloco.overlap and self.streaming_run:
             raise ConfigError("diloco.overlap with run.algo = 'streaming-diloco': Streaming DiLoCo overlaps "
                               "through streaming.fragment_sync_delay; set diloco.overlap = false")
+        self._validate_pipeline()
         self._validate_links()
         try:
             parse_churn(self.churn.spec)
@@ -288,6 +309,26 @@ class RunConfig:
         except ValueError as e:
             raise ConfigError(f"streaming.fragment_sync_delay / streaming.fragments with diloco.inner_steps = "
                               f"{self.diloco.inner_steps}: {e}") from None
+
+    def _validate_pipeline(self) -> None:
+        p = self.pipeline
+        if p.stages < 1 or self.model.n_layers % p.stages:
+            raise ConfigError(f"pipeline.stages = {p.stages}: must be >= 1 and divide model.n_layers = "
+                              f"{self.model.n_layers} (every stage holds the same number of blocks)")
+        if p.recovery not in ("checkfree", "checkpoint"):
+            raise ConfigError(f"pipeline.recovery = {p.recovery!r}: use 'checkfree' or 'checkpoint'")
+        if p.recovery == "checkpoint" and p.checkpoint_every_rounds < 1:
+            raise ConfigError("pipeline.recovery = 'checkpoint' needs pipeline.checkpoint_every_rounds >= 1")
+        if not p.round_s > 0 or not p.hop_timeout_s > 0 or not p.stage_wait_s > 0 or p.hysteresis < 0:
+            raise ConfigError("pipeline.round_s, hop_timeout_s and stage_wait_s must be > 0, hysteresis >= 0")
+        if p.stages > 1 and (self.run.algo not in ("diloco", "sparseloco") or self.overlap):
+            raise ConfigError(f"pipeline.stages = {p.stages} with run.algo = {self.run.algo!r}"
+                              f"{' and overlap' if self.overlap else ''}: a stage's replicas sync with diloco or "
+                              "sparseloco (no overlap); pick one of those or pipeline.stages = 1")
+
+    @property
+    def pipelined(self) -> bool:
+        return self.pipeline.stages > 1
 
     def _validate_noloco(self) -> None:
         n = self.noloco

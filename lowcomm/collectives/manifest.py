@@ -17,10 +17,11 @@ import hashlib
 import logging
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 from lowcomm.collectives.base import CollectiveError, NotInRound
 from lowcomm.config import SyncConfig
-from lowcomm.transport.control import ControlPlane
+from lowcomm.transport.control import ControlPlane, PeerRecord
 
 logger = logging.getLogger(__name__)
 POLL_S = 0.05
@@ -67,8 +68,11 @@ class ManifestAgreement:
     """Agrees with the other peers on who takes part in a round."""
 
     def __init__(self, control: ControlPlane, sync: SyncConfig, endpoint: str, client_mode: bool = False,
-                 on_event=None):
+                 on_event=None, due_in_group: Callable[[str, PeerRecord], bool] | None = None):
+        """`due_in_group(group, record)`: whether a live peer is expected in the group's rounds (pipelines:
+        only the replicas of the group's stage); by default every training or joining peer is."""
         self.control = control
+        self.due_in_group = due_in_group or (lambda group, record: True)
         self.on_event = on_event or (lambda kind, **fields: None)
         self.sync = sync
         self.endpoint = endpoint
@@ -115,7 +119,8 @@ class ManifestAgreement:
         while True:
             announcers = self.control.announcers(group, round_)
             due = {p for p, rec in self.control.live_peers().items()
-                   if rec.state in ("training", "joining") and rec.round <= round_ and p not in suspects}
+                   if rec.state in ("training", "joining") and rec.round <= round_ and p not in suspects
+                   and self.due_in_group(group, rec)}
             if (due | {self.me}) <= set(announcers) or time.monotonic() >= deadline:
                 missing = due - set(announcers) - {self.me}
                 if missing:  # a live record that never announced (dead, or late): the round goes on without it

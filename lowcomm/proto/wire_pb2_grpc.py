@@ -59,6 +59,16 @@ class PeerStub:
                 request_serializer=lowcomm_dot_proto_dot_wire__pb2.ExchangeChunk.SerializeToString,
                 response_deserializer=lowcomm_dot_proto_dot_wire__pb2.ExchangeReply.FromString,
                 _registered_method=True)
+        self.StageForward = channel.unary_unary(
+                '/lowcomm.Peer/StageForward',
+                request_serializer=lowcomm_dot_proto_dot_wire__pb2.StageCall.SerializeToString,
+                response_deserializer=lowcomm_dot_proto_dot_wire__pb2.StageReply.FromString,
+                _registered_method=True)
+        self.StageBackward = channel.unary_unary(
+                '/lowcomm.Peer/StageBackward',
+                request_serializer=lowcomm_dot_proto_dot_wire__pb2.StageCall.SerializeToString,
+                response_deserializer=lowcomm_dot_proto_dot_wire__pb2.StageReply.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -94,6 +104,18 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StageForward(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StageBackward(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +143,16 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Exchange,
                     request_deserializer=lowcomm_dot_proto_dot_wire__pb2.ExchangeChunk.FromString,
                     response_serializer=lowcomm_dot_proto_dot_wire__pb2.ExchangeReply.SerializeToString,
+            ),
+            'StageForward': grpc.unary_unary_rpc_method_handler(
+                    servicer.StageForward,
+                    request_deserializer=lowcomm_dot_proto_dot_wire__pb2.StageCall.FromString,
+                    response_serializer=lowcomm_dot_proto_dot_wire__pb2.StageReply.SerializeToString,
+            ),
+            'StageBackward': grpc.unary_unary_rpc_method_handler(
+                    servicer.StageBackward,
+                    request_deserializer=lowcomm_dot_proto_dot_wire__pb2.StageCall.FromString,
+                    response_serializer=lowcomm_dot_proto_dot_wire__pb2.StageReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,6 +290,60 @@ class Peer:
             '/lowcomm.Peer/Exchange',
             lowcomm_dot_proto_dot_wire__pb2.ExchangeChunk.SerializeToString,
             lowcomm_dot_proto_dot_wire__pb2.ExchangeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StageForward(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lowcomm.Peer/StageForward',
+            lowcomm_dot_proto_dot_wire__pb2.StageCall.SerializeToString,
+            lowcomm_dot_proto_dot_wire__pb2.StageReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StageBackward(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lowcomm.Peer/StageBackward',
+            lowcomm_dot_proto_dot_wire__pb2.StageCall.SerializeToString,
+            lowcomm_dot_proto_dot_wire__pb2.StageReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -16,6 +16,8 @@ import threading
 import time
 from pathlib import Path
 
+from hivemind.utils import get_dht_time
+
 from lowcomm.config import RunConfig
 from lowcomm.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from lowcomm.runtime.state_transfer import Snapshot, StateError, StateHolder, download_state
@@ -51,7 +53,8 @@ class Coordinator:
                                       f"{self.config.config_hash()}; pass the --config it was written with")
             self.last_checkpoint_round = resumed.round
         self.control = ControlPlane.start(self.identity, run, host=self.dht_host, port=self.port)
-        self.control.publish_config(self.config, version=1, ttl=CONFIG_TTL_S)
+        self.epoch = get_dht_time()
+        self.control.publish_config(self.config, version=1, ttl=CONFIG_TTL_S, epoch=self.epoch)
         self.traffic = Traffic()
         self.channels = Channels(self.config.sync.chunk_bytes)
         self.service = PeerService(self.identity.peer_id, self.traffic, self.channels)
@@ -82,7 +85,7 @@ class Coordinator:
         while not self.stop_requested.wait(1.0):
             try:
                 if time.monotonic() >= refresh_at:
-                    self.control.publish_config(self.config, version=1, ttl=CONFIG_TTL_S)
+                    self.control.publish_config(self.config, version=1, ttl=CONFIG_TTL_S, epoch=self.epoch)
                     refresh_at = time.monotonic() + 60
                 self.control.publish_peer(self.record, self.config.sync.record_ttl_s)
                 self._maybe_checkpoint()
@@ -92,7 +95,7 @@ class Coordinator:
 
     def _maybe_checkpoint(self) -> None:
         every = self.config.checkpoint.every_rounds
-        if every <= 0:
+        if every <= 0 or self.config.pipelined:  # a pipeline's stages checkpoint themselves (runtime.stage_peer)
             return
         trainers = [r for r in self.control.live_peers().values() if r.state == "training" and not r.client_mode]
         due = [r for r in trainers if r.round >= self.last_checkpoint_round + every]

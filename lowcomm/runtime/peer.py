@@ -80,6 +80,8 @@ class PeerOptions:
     start_file: Path | None = None  # simulate's start barrier: train once this file exists
     link: LinkSpec | None = None  # emulated access link for all data-plane traffic (None: unshaped)
     dht_host: str | None = None  # address the DHT (p2pd) listens on; None: `host`
+    stage: int | None = None  # pipelines: the stage to start serving from φ_0 (simulate's initial placement)
+    slowdown: float = 1.0  # pipelines, emulation: each computation keeps the peer busy this many times as long
 
 
 @dataclass
@@ -107,7 +109,8 @@ class Peer:
 
     # ---- join -------------------------------------------------------------------------------
 
-    def _connect(self) -> None:
+    def _open_transport(self) -> None:
+        """DHT, the signed run config, the gRPC server, the reachability check and the state holder."""
         o = self.options
         self.control = ControlPlane.start(self.identity, o.run_name, initial_peers=o.coordinator,
                                           host=o.dht_host or o.host)
@@ -123,6 +126,14 @@ class Peer:
         self.holder = StateHolder(o.run_name, sync.chunk_bytes)
         self.service.state_handler = self.holder.serve
         self.service.checkpointer = peer_id_of(owner_marker_from_text(o.run_key))
+
+    def compute_seconds(self) -> float:
+        trainer = getattr(self, "trainer", None)
+        return trainer.compute_s if trainer is not None else 0.0
+
+    def _connect(self) -> None:
+        o = self.options
+        sync = self.config.sync
         device = pick_device(o.device)
         shard = o.data_shard if o.data_shard is not None else int(self.me, 16) % o.num_shards
         self.trainer = LocalTrainer(self.config, shard, o.num_shards, device)
@@ -336,6 +347,14 @@ class Peer:
         self.steps_done, self.round, self.step, self.tokens_global = 0, 0, 0, 0
         self.open_round: OpenRound | None = None
         self._announced = -1  # the last streaming round announced ahead of its start
+        try:
+            self._open_transport()
+        except BaseException:
+            self._leave()
+            raise
+        if self.config.pipelined:  # the run is cut into stages: this process serves one of them
+            from lowcomm.runtime.stage_peer import StagePeer
+            return StagePeer.from_peer(self).run()
         try:
             self._connect()
             self._start_heartbeat()
@@ -617,6 +636,6 @@ class Peer:
                     obj.shutdown()
             except Exception as e:
                 logger.info("closing %s: %s", closer, e)
-        self.log.event("exit", bytes_sent=self.traffic.sent, checkpoint_bytes=self.traffic.checkpoint_sent, compute_s=getattr(getattr(self, "trainer", None),
-                                                                                "compute_s", 0.0))
+        self.log.event("exit", bytes_sent=self.traffic.sent, checkpoint_bytes=self.traffic.checkpoint_sent,
+                       compute_s=self.compute_seconds())
         self.log.close()

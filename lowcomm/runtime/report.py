@@ -85,18 +85,20 @@ def _link_bound_s(rows: list[dict], links: dict[str, str | None]) -> float | Non
 
 
 def _rounds(records: list[dict], first_t: float, links: dict[str, str | None]) -> list[dict]:
-    by_round = defaultdict(list)
+    by_round = defaultdict(list)  # pipelines: one row per (round, stage), each stage's replicas apart
     for r in records:
         if r["type"] == "round":
-            by_round[r["round"]].append(r)
+            by_round[(r["round"], r.get("stage", -1))].append(r)
     rows = []
-    for round_, rs in sorted(by_round.items()):
+    for (round_, stage), rs in sorted(by_round.items()):
         leader = next((r for r in rs if r.get("leader") == r["peer"]), rs[0])
         row = {"round": round_, "t": min(r["t0"] for r in rs) - first_t, "tokens": leader["tokens"],
                "bytes": sum(r["bytes"] for r in rs), "sync_s": max(r["sync_s"] for r in rs),
                "link_bound_s": _link_bound_s(rs, links),
                "participants": leader["participants"], "contributors": leader["contributors"],
                "phi_hashes": sorted({r["phi_hash"] for r in rs})}
+        if stage >= 0:
+            row["stage"] = stage
         if any("group" in r for r in rs):
             row.update(_gossip_round(rs))
         if "fragment" in leader:  # Streaming DiLoCo: which fragment, and how long training waited for it

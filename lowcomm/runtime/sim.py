@@ -128,6 +128,8 @@ class Simulation:
     timeout_s: float | None = None
     churn: ChurnPlan | None = None  # None: the config's [churn] spec
     netns: bool | None = None  # None: the config's link.netns
+    slowdowns: dict[int, float] = field(default_factory=dict)  # pipelines: emulated slower peers, by index
+    stage_of: dict[int, int] | None = None  # pipelines: initial stage by peer index (default: index mod S)
     processes: list[Process] = field(default_factory=list)
     lab: NetnsLab | None = None  # namespace mode: opened by open_lab() (or the first process), closed by close()
     node_indices: dict[str, int | None] = field(default_factory=dict)  # node name -> peer index (None: coordinator)
@@ -265,6 +267,11 @@ class Simulation:
         start_file = (start_file or self.start_file) if park else None
         if start_file is not None:
             args += ["--start-file", str(start_file)]
+        if self.config.pipelined and index < self.peers:  # the initial placement; joiners pick their stage
+            stage = (self.stage_of or {}).get(index, index % self.config.pipeline.stages)
+            args += ["--stage", str(stage)]
+        if self.slowdowns.get(index, 1.0) != 1.0:
+            args += ["--slowdown", str(self.slowdowns[index])]
         if fault or self.peer_faults.get(index):
             args += ["--fault", fault or self.peer_faults[index]]
         if node is not None and link is not None and link.latency_s > 0:
@@ -401,6 +408,7 @@ class Simulation:
             # the peers' start events say only "unlimited:LATENCY": the rate is the node's htb cap
             links = {peer: self.config.link.spec_for(index) or None for index, peer in ids.items()}
             extra.update(self.netns_figures(ids))
+        extra["stages"] = self.config.pipeline.stages
         report = build_report(records, algo=self.config.run.algo, peers=self.peers, seed=self.config.run.seed,
                               model_params=torch_params, started_at=started, extra=extra, links_override=links)
         if self.lab is not None:

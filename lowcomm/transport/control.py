@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -40,6 +41,12 @@ class PeerRecord:
     step: int = 0
     client_mode: bool = False
     heartbeat: float = field(default_factory=get_dht_time)
+    # pipelines (runtime.stage_peer): the stage served (-1: none), whether it serves it yet
+    # (joining | online), its last gradient norm (CheckFree's weights) and when its driver finished
+    stage: int = -1
+    stage_state: str = ""
+    grad_norm: float = 0.0
+    done_at: float = 0.0
 
     @classmethod
     def from_value(cls, value: Any) -> "PeerRecord":
@@ -49,7 +56,11 @@ class PeerRecord:
         record = cls(**known)
         if not isinstance(record.peer_id, str) or not isinstance(record.endpoint, str):
             raise ValueError("peer record has no peer_id or endpoint")
-        record.round, record.step = int(record.round), int(record.step)
+        record.round, record.step, record.stage = int(record.round), int(record.step), int(record.stage)
+        record.throughput, record.grad_norm, record.done_at = (float(record.throughput), float(record.grad_norm),
+                                                               float(record.done_at))
+        if not all(map(math.isfinite, (record.throughput, record.grad_norm, record.done_at))):
+            raise ValueError("peer record holds a non-finite number")
         return record
 
 
@@ -61,6 +72,7 @@ class ControlPlane:
         self.identity = identity
         self.run = run
         self.rejected_records = 0
+        self.run_epoch = 0.0  # from the run config's record (fetch_config)
 
     @classmethod
     def start(cls, identity: Identity, run: str, initial_peers: list[str] | None = None,
@@ -109,9 +121,10 @@ class ControlPlane:
 
     # ---- run config -------------------------------------------------------------------------
 
-    def publish_config(self, config: RunConfig, version: int, ttl: float) -> None:
+    def publish_config(self, config: RunConfig, version: int, ttl: float, epoch: float = 0.0) -> None:
+        """`epoch`: the DHT time the run started (pipelines count their wall-clock rounds from it)."""
         value = {"peer_id": self.identity.peer_id, "version": version, "config": config.to_json(),
-                 "hash": config.config_hash()}
+                 "hash": config.config_hash(), "epoch": epoch}
         if not self._store(f"{self.run}.config", value, ttl):
             raise RuntimeError("could not store the run config in the DHT")
 
@@ -130,6 +143,8 @@ class ControlPlane:
                     raise ConfigRejected(f"the coordinator's run config is invalid: {e}") from None
                 if config.config_hash() != value.get("hash"):
                     raise ConfigRejected("the run config's hash does not match its contents")
+                epoch = value.get("epoch", 0.0)
+                self.run_epoch = float(epoch) if isinstance(epoch, (int, float)) and math.isfinite(epoch) else 0.0
                 return config, int(value.get("version", 0))
             others |= set(records)
             time.sleep(0.2)

@@ -30,6 +30,7 @@ class PeerService(wire_pb2_grpc.PeerServicer):
         self.exchange_handler: Callable | None = None  # (requests, context) -> ExchangeReply
         self.exchange_cap_s = 120.0  # the longest one Exchange call may hold a server thread
         self.state_handler: Callable | None = None
+        self.stage_handler = None  # pipeline.server.StageServer: forward(call) and backward(call) -> StageReply
         self.checkpointer: str | None = None  # the coordinator's peer id: its GetState calls are checkpoints
         self._errors = 0
         self._lock = threading.Lock()
@@ -96,6 +97,26 @@ class PeerService(wire_pb2_grpc.PeerServicer):
             reply = wire_pb2.ExchangeReply(status=wire_pb2.ExchangeReply.REJECTED, error=f"{type(e).__name__}: {e}")
         finally:
             cap.cancel()
+        self.traffic.count_sent(reply, deadline)
+        return reply
+
+    def StageForward(self, request, context):
+        return self._stage_call("StageForward", request, context)
+
+    def StageBackward(self, request, context):
+        return self._stage_call("StageBackward", request, context)
+
+    def _stage_call(self, method: str, request, context):
+        deadline = context_deadline(context)
+        self.traffic.count_received(request, deadline)
+        if self.stage_handler is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "this peer serves no pipeline stage")
+        try:
+            serve = self.stage_handler.forward if method == "StageForward" else self.stage_handler.backward
+            reply = serve(request)
+        except Exception as e:  # hostile input must never take the server down
+            self._failed(method, e, context)
+            reply = wire_pb2.StageReply(status=wire_pb2.StageReply.REJECTED, error=f"{type(e).__name__}: {e}")
         self.traffic.count_sent(reply, deadline)
         return reply
 

@@ -1,0 +1,174 @@
+"""What a peer serving a pipeline stage computes: forward, stateless backward, and its inner optimizer.
+
+Backward is stateless (SWARM): the call carries the hop's input and the gradient of its output
+(or the targets, on the last hop); the server recomputes the forward and backpropagates, so any
+replica of the stage can serve a backward whichever replica served the forward. Each backward is
+one inner step of the stage's AdamW (the run's [inner] settings and warm-up, times the stage's
+lr scale, which CheckFree raises). Calls are served one at a time under a lock, which the runtime
+also holds while the stage's replicas sync, so no call sees half-updated weights.
+
+`slowdown` F > 1 emulates a slower device: after each computation the server stays busy for
+(F − 1) times as long (simulate's unequal peers).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+
+from lowcomm.config import RunConfig
+from lowcomm.pipeline.activations import ActivationError, pack, unpack, unpack_tokens
+from lowcomm.pipeline.stages import StageModule
+from lowcomm.proto import wire_pb2
+
+FORWARD_UNITS, BACKWARD_UNITS = 1.0, 2.5  # a backward (recompute included) weighs 2.5 forwards (SWARM)
+EMA_ALPHA = 0.1
+
+Reply = wire_pb2.StageReply
+
+
+class StageServer:
+    def __init__(self, config: RunConfig, module: StageModule, stage: int, slowdown: float = 1.0):
+        self.config = config
+        self.lock = threading.RLock()
+        self.slowdown = max(1.0, slowdown)
+        self.max_elements = 4 * config.inner.batch_size * config.model.context * max(config.model.d_model,
+                                                                                      config.model.vocab_size)
+        self.ready = False
+        self.compute_s = 0.0
+        self._ema, self._ema_n = 0.0, 0
+        self.load(module, stage)
+
+    def load(self, module: StageModule, stage: int, lr_scale: float = 1.0, step: int = 0) -> None:
+        """Serve `module` as stage `stage` with a fresh inner optimizer (the caller may load its state)."""
+        inner = self.config.inner
+        with self.lock:
+            self.module, self.stage = module, stage
+            self.optimizer = torch.optim.AdamW(module.parameters(), lr=inner.lr, betas=(inner.beta1, inner.beta2),
+                                               weight_decay=inner.weight_decay)
+            self.lr_scale, self.step = lr_scale, step
+            self.grad_norm = 0.0
+            self.round_steps = 0  # inner steps since the last sync (the weight of this replica's Δ)
+            self.phi: dict[str, torch.Tensor] | None = None  # the synced weights evaluations use
+
+    @property
+    def throughput(self) -> float:
+        """Work units per second of this peer's compute (bias-corrected EMA; 0 before the first call)."""
+        return self._ema / (1 - (1 - EMA_ALPHA) ** self._ema_n) if self._ema_n else 0.0
+
+    def lr_at(self, step: int) -> float:
+        warmup = self.config.inner.warmup_steps
+        lr = self.config.inner.lr * (min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0)
+        return lr * self.lr_scale
+
+    # ---- the two calls ------------------------------------------------------------------------
+
+    def forward(self, call: wire_pb2.StageCall) -> Reply:
+        with self.lock:
+            refused = self._refuse(call)
+            if refused is not None:
+                return refused
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                x = self._input(call)
+                if call.use_phi:
+                    if self.phi is None:
+                        return Reply(status=Reply.BUSY, error="no synced weights yet", serving_stage=self.stage)
+                    out = functional_call(self.module, self.phi, (x,), {"embed": call.embed, "head": call.head})
+                else:
+                    out = self.module(x, embed=call.embed, head=call.head)
+                if call.head:
+                    targets = self._targets(call, out)
+                    loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), targets.reshape(-1))
+                    reply = Reply(status=Reply.OK, loss=float(loss), serving_stage=self.stage)
+                else:
+                    reply = Reply(status=Reply.OK, output=pack(out), serving_stage=self.stage)
+            self._busy(t0, FORWARD_UNITS)
+            return reply
+
+    def backward(self, call: wire_pb2.StageCall) -> Reply:
+        with self.lock:
+            refused = self._refuse(call)
+            if refused is not None:
+                return refused
+            if call.use_phi:
+                raise ActivationError("a backward cannot use the synced weights")
+            t0 = time.perf_counter()
+            x = self._input(call)
+            if not call.embed:
+                x.requires_grad_(True)
+            self.optimizer.zero_grad(set_to_none=True)
+            out = self.module(x, embed=call.embed, head=call.head)
+            if call.head:
+                targets = self._targets(call, out)
+                loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), targets.reshape(-1))
+                loss.backward()
+            else:
+                grad = unpack(call.grad_output, self.max_elements)
+                if tuple(grad.shape) != tuple(out.shape):
+                    raise ActivationError(f"grad_output {tuple(grad.shape)} for an output of {tuple(out.shape)}")
+                loss = None
+                out.backward(grad)
+            self._inner_step()
+            reply = Reply(status=Reply.OK, serving_stage=self.stage, loss=float(loss.detach()) if loss is not None else 0.0)
+            if not call.embed:
+                reply.output.CopyFrom(pack(x.grad))
+            self._busy(t0, BACKWARD_UNITS)
+            return reply
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def _refuse(self, call) -> Reply | None:
+        if not self.ready:
+            return Reply(status=Reply.BUSY, error="this peer is loading its stage", serving_stage=self.stage)
+        if call.stage != self.stage:
+            return Reply(status=Reply.WRONG_STAGE, error=f"this peer serves stage {self.stage}, not {call.stage}",
+                         serving_stage=self.stage)
+        return None
+
+    def _input(self, call) -> torch.Tensor:
+        model = self.config.model
+        if call.embed:
+            x = unpack_tokens(call.input, model.vocab_size, self.max_elements)
+            if x.shape[1] > model.context:
+                raise ActivationError(f"{x.shape[1]} tokens exceed model.context = {model.context}")
+            return x
+        x = unpack(call.input, self.max_elements)
+        if x.dim() != 3 or x.shape[2] != model.d_model or x.shape[1] > model.context:
+            raise ActivationError(f"activation of shape {tuple(x.shape)}; expected [batch, <= {model.context}, "
+                                  f"{model.d_model}]")
+        return x
+
+    def _targets(self, call, out: torch.Tensor) -> torch.Tensor:
+        targets = unpack_tokens(call.targets, self.config.model.vocab_size, self.max_elements)
+        if tuple(targets.shape) != tuple(out.shape[:2]):
+            raise ActivationError(f"targets {tuple(targets.shape)} for logits {tuple(out.shape)}")
+        return targets
+
+    def _inner_step(self) -> None:
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        clip = self.config.inner.grad_clip
+        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        if not torch.isfinite(norm):  # a poisoned gradient never reaches the weights
+            self.optimizer.zero_grad(set_to_none=True)
+            raise ActivationError("the gradient is not finite; the step was skipped")
+        self.grad_norm = min(float(norm), clip) if clip > 0 else float(norm)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr_at(self.step)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.round_steps += 1
+
+    def _busy(self, t0: float, units: float) -> None:
+        elapsed = time.perf_counter() - t0
+        if self.slowdown > 1:
+            time.sleep((self.slowdown - 1) * elapsed)
+        spent = time.perf_counter() - t0
+        self.compute_s += spent
+        self._ema = EMA_ALPHA * (units / max(spent, 1e-6)) + (1 - EMA_ALPHA) * self._ema
+        self._ema_n += 1
