@@ -57,5 +57,8 @@ def decode_blockwise8(codes: bytes, scales: bytes, shape: tuple[int, ...],
     q = np.frombuffer(codes, dtype=np.int8).astype(np.float32)
     padded = np.zeros(blocks * BLOCK, dtype=np.float32)
     padded[:numel] = q
-    values = (padded.reshape(blocks, BLOCK) * scale[:, None]).reshape(-1)[:numel]
+    with np.errstate(over="ignore"):
+        values = (padded.reshape(blocks, BLOCK) * scale[:, None]).reshape(-1)[:numel]
+    if not np.isfinite(values).all():
+        raise CodecError("blockwise8: decoded values are not finite (a scale overflows float32)")
     return torch.from_numpy(values.copy()).reshape(tuple(int(d) for d in shape))

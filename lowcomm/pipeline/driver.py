@@ -69,36 +69,38 @@ class Driver:
             grad = self._hop("StageBackward", BACKWARD, hop, microbatch, hop_input, grad_output=grad).output
         return last.loss
 
-    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """Mean held-out loss of the stages' synced weights (φ), in the plain stage order."""
+    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]], wait_s: float | None = None) -> float:
+        """Mean held-out loss of the stages' synced weights (φ), in the plain stage order; a stage with no
+        replica is waited for up to `wait_s` (default pipeline.stage_wait_s)."""
         hops = hop_order(self.stages, 0, False)
         losses = []
         for x, y in batches:
             data = pack_tokens(x)
             for hop in hops[:-1]:
-                data = self._hop("StageForward", FORWARD, hop, 0, data, use_phi=True).output
+                data = self._hop("StageForward", FORWARD, hop, 0, data, use_phi=True, wait_s=wait_s).output
             losses.append(self._hop("StageForward", FORWARD, hops[-1], 0, data, targets=pack_tokens(y),
-                                    use_phi=True).loss)
+                                    use_phi=True, wait_s=wait_s).loss)
         return sum(losses) / len(losses)
 
     # ---- one hop, with retries ----------------------------------------------------------------
 
     def _hop(self, method: str, task: str, hop: Hop, microbatch: int, data, grad_output=None, targets=None,
-             use_phi: bool = False) -> wire_pb2.StageReply:
+             use_phi: bool = False, wait_s: float | None = None) -> wire_pb2.StageReply:
         call = wire_pb2.StageCall(run_id=self.run, stage=hop.stage, microbatch=microbatch, embed=hop.embed,
                                   head=hop.head, input=data, use_phi=use_phi, sender=self.me)
         if grad_output is not None:
             call.grad_output.CopyFrom(grad_output)
         if targets is not None:
             call.targets.CopyFrom(targets)
-        give_up = time.monotonic() + self.stage_wait_s
+        wait_s = self.stage_wait_s if wait_s is None else wait_s
+        give_up = time.monotonic() + wait_s
         tried: set[str] = set()
         self._refresh()
         while not self.stop.is_set():
             peer = self.router.pick(hop.stage, task, exclude=tried)
             if peer is None:
                 if time.monotonic() > give_up:
-                    raise StageUnavailable(f"no replica of stage {hop.stage} answered for {self.stage_wait_s:.0f}s "
+                    raise StageUnavailable(f"no replica of stage {hop.stage} answered for {wait_s:.0f}s "
                                            "(pipeline.stage_wait_s)")
                 tried.clear()
                 self.stop.wait(min(1.0, self.refresh_s))  # the stage is being rebuilt or a peer is moving there

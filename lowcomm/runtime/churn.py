@@ -5,6 +5,8 @@ A spec is a schedule or a rate:
     kill:1@r3,leave:1@r4,join:2@t30s   at swarm round R (`rR`) or T seconds after training started
                                        (`tTs`): kill -9 of N live peers' whole process groups,
                                        graceful leave of N peers (SIGTERM), or N new joiners
+    killstage:1@r4                     pipelines: kill -9 of every peer serving stage 1 (0-based),
+                                       as the peers' latest `stage` events say
     0.25/round                         each round, round(F x live peers) (at least 1) peers killed
                                        and as many new joiners released
 
@@ -40,9 +42,9 @@ if TYPE_CHECKING:
     from lowcomm.runtime.sim import Process, Simulation
 
 logger = logging.getLogger(__name__)
-ACTIONS = ("kill", "leave", "join")
+ACTIONS = ("kill", "leave", "join", "killstage")
 ACCEPTED_FORMS = ("a schedule of ACTION:N@rROUND or ACTION:N@tSECONDSs, comma-separated, ACTION one of "
-                  "kill, leave, join (e.g. 'kill:1@r3,leave:1@r4,join:2@t30s'), or a rate F/round with "
+                  "kill, leave, join or killstage (N: a stage index; e.g. 'kill:1@r3,leave:1@r4,join:2@t30s,killstage:1@r6'), or a rate F/round with "
                   "0 < F <= 1 (e.g. '0.25/round'), or 'none'")
 _ACTION = re.compile(r"^(?P<action>[a-z]+):(?P<count>\d+)@(?:r(?P<round>\d+)|t(?P<seconds>\d+(?:\.\d+)?)s)$")
 _RATE = re.compile(r"^(?P<fraction>\d*\.?\d+)/rounds?$")
@@ -100,7 +102,7 @@ def parse_churn(spec: str | None) -> ChurnPlan | None:
             raise ChurnSpecError(f"cannot read {part.strip()!r} in churn spec {spec!r}; use {ACCEPTED_FORMS}")
         if match["action"] not in ACTIONS:
             raise ChurnSpecError(f"unknown churn action {match['action']!r} in {part.strip()!r}; use {ACCEPTED_FORMS}")
-        if int(match["count"]) < 1:
+        if int(match["count"]) < 1 and match["action"] != "killstage":
             raise ChurnSpecError(f"{part.strip()!r}: the count of peers must be at least 1; use {ACCEPTED_FORMS}")
         actions.append(ChurnAction(match["action"], int(match["count"]),
                                    int(match["round"]) if match["round"] is not None else None,
@@ -119,8 +121,10 @@ def choose_victims(rng: random.Random, live: list[str], count: int) -> list[str]
 
 
 def swarm_round(records: list[dict]) -> int:
-    """The round the swarm is in: rounds finished by the most advanced peer."""
-    return max((r["round"] + 1 for r in records if r["type"] == "round"), default=0)
+    """The round the swarm is in: rounds finished by the most advanced peer, counted from the first round
+    (pipelines number their rounds by wall clock since the run's epoch, so their first is not 0)."""
+    rounds = [r["round"] for r in records if r["type"] == "round"]
+    return max(rounds) + 1 - min(rounds) if rounds else 0
 
 
 class ChurnExecutor:
@@ -189,6 +193,8 @@ class ChurnExecutor:
         for action in due:
             if action.action == "join":
                 self._owe(action.count, round_, str(action))
+            elif action.action == "killstage":
+                self._kill_stage(action.count, round_, records, str(action))
             else:
                 self._remove(action.action, action.count, round_, records, str(action))
         if self.plan.rate is not None and round_ >= 1 and round_ % self.epoch_rounds == 0 \
@@ -257,6 +263,22 @@ class ChurnExecutor:
             self.removed[process.name] = action
             self._event(action, peer=ids.get(process.index), name=process.name, round=round_, at=at)
         return len(victims)
+
+    def _kill_stage(self, stage: int, round_: int, records: list[dict], at: str) -> None:
+        """Kills every live peer whose latest `stage` event says it serves `stage` (the others are kept)."""
+        serving = {}
+        for r in records:
+            if r["type"] == "event" and r.get("kind") == "stage":
+                serving[r["peer"]] = r["stage"]
+        ids = self.sim.peer_ids(records)
+        victims = [p for p in self._members(records) if serving.get(ids.get(p.index)) == stage]
+        if not victims:
+            self._event("skip", action="killstage", stage=stage, round=round_, at=at, reason="no peer serves it")
+        for process in victims:
+            process.kill_group(signal.SIGKILL)
+            self.live.remove(process)
+            self.removed[process.name] = "kill"
+            self._event("kill", peer=ids.get(process.index), name=process.name, round=round_, at=at, stage=stage)
 
     # ---- after training ----------------------------------------------------------------------
 

@@ -41,7 +41,7 @@ from lowcomm.data.corpus import load_corpus
 from lowcomm.data.loader import TokenShard, heldout_batches
 from lowcomm.pipeline.checkfree import LR_SCALE, rebuild_stage
 from lowcomm.pipeline.driver import Driver, StageEntry, StageUnavailable
-from lowcomm.pipeline.rebalance import Placement, joiner_stage, should_move
+from lowcomm.pipeline.rebalance import Placement, joiner_stage, plan_move
 from lowcomm.pipeline.routing import StageRouter
 from lowcomm.pipeline.server import StageServer
 from lowcomm.pipeline.stages import StageModule, initial_stage
@@ -76,6 +76,8 @@ class StagePeer(Peer):
         self.final_round: int | None = None
         self._rebalance_hook_fired = False
         self.rounds_done = 0
+        self._evaluation: threading.Thread | None = None
+        self._empty_streak = 0  # consecutive checks that found a stage with no replica
 
     # ---- join -------------------------------------------------------------------------------
 
@@ -455,10 +457,22 @@ class StagePeer(Peer):
     # ---- evaluation, rebalancing ------------------------------------------------------------
 
     def _maybe_evaluate_pipeline(self, round_: int, final: bool) -> None:
+        """The evaluator scores φ after each round: in the background (a stage being rebuilt must not hold
+        up this peer's rounds), except the final evaluation, which the run waits for."""
         if not self._is_evaluator():
             return
+        if final:
+            if self._evaluation is not None:
+                self._evaluation.join()
+            self._evaluate(round_, final, self.config.pipeline.stage_wait_s)
+        elif self._evaluation is None or not self._evaluation.is_alive():
+            self._evaluation = threading.Thread(target=self._evaluate, args=(round_, False, self.config.pipeline.round_s),
+                                                daemon=True, name="evaluation")
+            self._evaluation.start()
+
+    def _evaluate(self, round_: int, final: bool, wait_s: float) -> None:
         try:
-            loss = self.driver.evaluate(self.eval_batches)
+            loss = self.driver.evaluate(self.eval_batches, wait_s=wait_s)
         except StageUnavailable as e:
             self.log.event("eval_skipped", round=round_, reason=str(e)[:200])
             return
@@ -467,22 +481,34 @@ class StagePeer(Peer):
                        loss=loss, final=final)
 
     def _maybe_move(self, round_: int) -> None:
-        """A move when a stage is empty, every rebalance_every_rounds rounds, or at the `rebalance@R` hook."""
+        """A move when a stage is empty, every rebalance_every_rounds rounds, or at the `rebalance@R` hook.
+
+        Every peer computes the same plan from the same records, so one peer moves. If a stage stays
+        empty (its planned mover is stuck or gone before its record expired), each further check
+        plans without one more of the movers planned before.
+        """
         p = self.config.pipeline
         placements = self._placements()
         empty = any(not [q for q in placements if q.stage == s] for s in range(self.stages))
+        self._empty_streak = self._empty_streak + 1 if empty else 0
         periodic = p.rebalance_every_rounds > 0 and round_ % p.rebalance_every_rounds == 0
         hook = self._hook_due()
         if not (empty or periodic or hook):
             return
-        target = should_move(placements, self.stages, self.me, p.hysteresis)
-        if target is None or target == self.stage:
+        skipped: set[str] = set()
+        for _ in range(max(1, self._empty_streak)):
+            plan = plan_move([q for q in placements if q.peer_id not in skipped], self.stages, p.hysteresis)
+            if plan is None or plan[0] == self.me:
+                break
+            skipped.add(plan[0])
+        if plan is None or plan[0] != self.me:
             return
-        source = self.stage
+        _, source, target = plan
         self.log.event("rebalance", stage=target, previous=source, round=round_,
-                       reason="empty stage" if empty else ("hook" if hook else "throughput"),
+                       reason="empty stage" if empty else ("hook" if hook else "throughput"), skipped=sorted(skipped),
                        throughputs={str(s): round(sum(q.throughput for q in placements if q.stage == s), 3)
                                     for s in range(self.stages)})
+        self._empty_streak = 0
         self._take_stage(target, "move")
 
     def _hook_due(self) -> bool:
