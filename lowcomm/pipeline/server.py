@@ -7,8 +7,11 @@ one inner step of the stage's AdamW (the run's [inner] settings and warm-up, tim
 lr scale, which CheckFree raises). Calls are served one at a time under a lock, which the runtime
 also holds while the stage's replicas sync, so no call sees half-updated weights.
 
-`slowdown` F > 1 emulates a slower device: after each computation the server stays busy for
-(F − 1) times as long (simulate's unequal peers).
+Throughput is work units per second of this peer's own compute: on a CPU, the thread's CPU time
+(other processes sharing the cores do not make it look slower, so peers sharing one machine in a
+simulation measure their own speed); on CUDA, wall time. `slowdown` F > 1 emulates a slower
+device: after each computation the server stays busy (F − 1) times that compute time, and its
+throughput is measured on F times it (simulate's unequal peers).
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ class StageServer:
             refused = self._refuse(call)
             if refused is not None:
                 return refused
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             with torch.no_grad():
                 x = self._input(call)
                 if call.use_phi:
@@ -87,7 +90,7 @@ class StageServer:
                     reply = Reply(status=Reply.OK, loss=float(loss), serving_stage=self.stage)
                 else:
                     reply = Reply(status=Reply.OK, output=pack(out), serving_stage=self.stage)
-            self._busy(t0, FORWARD_UNITS)
+            self._busy(t0, c0, FORWARD_UNITS)
             return reply
 
     def backward(self, call: wire_pb2.StageCall) -> Reply:
@@ -97,7 +100,7 @@ class StageServer:
                 return refused
             if call.use_phi:
                 raise ActivationError("a backward cannot use the synced weights")
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             x = self._input(call)
             if not call.embed:
                 x.requires_grad_(True)
@@ -117,7 +120,7 @@ class StageServer:
             reply = Reply(status=Reply.OK, serving_stage=self.stage, loss=float(loss.detach()) if loss is not None else 0.0)
             if not call.embed:
                 reply.output.CopyFrom(pack(x.grad))
-            self._busy(t0, BACKWARD_UNITS)
+            self._busy(t0, c0, BACKWARD_UNITS)
             return reply
 
     # ---- helpers ------------------------------------------------------------------------------
@@ -164,11 +167,11 @@ class StageServer:
         self.step += 1
         self.round_steps += 1
 
-    def _busy(self, t0: float, units: float) -> None:
-        elapsed = time.perf_counter() - t0
+    def _busy(self, t0: float, c0: float, units: float) -> None:
+        on_cpu = next(self.module.parameters()).device.type == "cpu"
+        work = (time.thread_time() - c0) if on_cpu else (time.perf_counter() - t0)
         if self.slowdown > 1:
-            time.sleep((self.slowdown - 1) * elapsed)
-        spent = time.perf_counter() - t0
-        self.compute_s += spent
-        self._ema = EMA_ALPHA * (units / max(spent, 1e-6)) + (1 - EMA_ALPHA) * self._ema
+            time.sleep((self.slowdown - 1) * work)
+        self.compute_s += time.perf_counter() - t0
+        self._ema = EMA_ALPHA * (units / max(work * self.slowdown, 1e-6)) + (1 - EMA_ALPHA) * self._ema
         self._ema_n += 1

@@ -144,13 +144,16 @@ class StagePeer(Peer):
         return out
 
     def _placements(self) -> list[Placement]:
-        """Who serves what, with a newcomer's unknown throughput taken as its stage's median."""
-        records = [r for r in self._stage_records() if r.peer_id != self.me]
-        known = sorted(r.throughput for r in records if r.throughput > 0)
+        """Who serves what, as the DHT records say (this peer's own record too, so every peer plans from the
+        same numbers); a newcomer's unknown throughput is taken as the median of the known ones."""
+        records = {r.peer_id: r for r in self._stage_records()}
+        known = sorted(r.throughput for r in records.values() if r.throughput > 0)
         default = known[len(known) // 2] if known else 1.0
-        out = [Placement(r.peer_id, r.stage, r.throughput or default) for r in records]
+        out = [Placement(r.peer_id, r.stage, r.throughput or default) for r in records.values() if r.peer_id != self.me]
         if self.stage >= 0:
-            out.append(Placement(self.me, self.stage, self.server.throughput or default))
+            mine = records.get(self.me)
+            throughput = mine.throughput if mine is not None and mine.stage == self.stage else self.server.throughput
+            out.append(Placement(self.me, self.stage, throughput or default))
         return out
 
     # ---- taking a stage ---------------------------------------------------------------------
@@ -495,6 +498,8 @@ class StagePeer(Peer):
         hook = self._hook_due()
         if not (empty or periodic or hook):
             return
+        if not empty and any(r.stage_state == "joining" for r in self._stage_records()):
+            return  # a move is under way: plan again once its throughput is known where it went
         skipped: set[str] = set()
         for _ in range(max(1, self._empty_streak)):
             plan = plan_move([q for q in placements if q.peer_id not in skipped], self.stages, p.hysteresis)
