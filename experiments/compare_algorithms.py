@@ -104,7 +104,14 @@ def run_cell(out: Path, variant: str, steps: int, peers: int, seed: int, reuse: 
            str(steps), "--seed", str(seed), "--report", str(tmp), "--run-dir", str(out / "runs" / path.stem), *flags]
     subprocess.run(cmd, check=True)
     tmp.replace(path)
+    rename_figures(out, path.stem)
     return json.loads(path.read_text())
+
+
+def rename_figures(out: Path, stem: str) -> None:
+    """simulate names its figures after the report (`<cell>.partial.*`): give them the cell's name."""
+    for figure in out.glob(f"{stem}.partial.*"):
+        figure.replace(out / figure.name.replace(".partial.", ".", 1))
 
 
 def cells(variants: list[str], steps: int, peers: int, seeds: list[int], extra_peers: list[int]) -> list[tuple]:
