@@ -35,8 +35,10 @@ Reply = wire_pb2.StageReply
 
 
 class StageServer:
-    def __init__(self, config: RunConfig, module: StageModule, stage: int, slowdown: float = 1.0):
+    def __init__(self, config: RunConfig, module: StageModule, stage: int, slowdown: float = 1.0,
+                 device: torch.device = torch.device("cpu")):
         self.config = config
+        self.device = device
         self.lock = threading.RLock()
         self.slowdown = max(1.0, slowdown)
         self.max_elements = 4 * config.inner.batch_size * config.model.context * max(config.model.d_model,
@@ -50,13 +52,22 @@ class StageServer:
         """Serve `module` as stage `stage` with a fresh inner optimizer (the caller may load its state)."""
         inner = self.config.inner
         with self.lock:
+            module.to(self.device)  # in place: an algorithm holding these parameters keeps them
             self.module, self.stage = module, stage
             self.optimizer = torch.optim.AdamW(module.parameters(), lr=inner.lr, betas=(inner.beta1, inner.beta2),
                                                weight_decay=inner.weight_decay)
             self.lr_scale, self.step = lr_scale, step
             self.grad_norm = 0.0
             self.round_steps = 0  # inner steps since the last sync (the weight of this replica's Δ)
-            self.phi: dict[str, torch.Tensor] | None = None  # the synced weights evaluations use
+            self._phi: dict[str, torch.Tensor] | None = None  # the synced weights evaluations use
+
+    @property
+    def phi(self) -> dict[str, torch.Tensor] | None:
+        return self._phi
+
+    @phi.setter
+    def phi(self, tensors: dict[str, torch.Tensor] | None) -> None:
+        self._phi = None if tensors is None else {n: t.to(self.device) for n, t in tensors.items()}
 
     @property
     def throughput(self) -> float:
@@ -111,7 +122,7 @@ class StageServer:
                 loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), targets.reshape(-1))
                 loss.backward()
             else:
-                grad = unpack(call.grad_output, self.max_elements)
+                grad = unpack(call.grad_output, self.max_elements).to(self.device)
                 if tuple(grad.shape) != tuple(out.shape):
                     raise ActivationError(f"grad_output {tuple(grad.shape)} for an output of {tuple(out.shape)}")
                 loss = None
@@ -139,18 +150,18 @@ class StageServer:
             x = unpack_tokens(call.input, model.vocab_size, self.max_elements)
             if x.shape[1] > model.context:
                 raise ActivationError(f"{x.shape[1]} tokens exceed model.context = {model.context}")
-            return x
+            return x.to(self.device)
         x = unpack(call.input, self.max_elements)
         if x.dim() != 3 or x.shape[2] != model.d_model or x.shape[1] > model.context:
             raise ActivationError(f"activation of shape {tuple(x.shape)}; expected [batch, <= {model.context}, "
                                   f"{model.d_model}]")
-        return x
+        return x.to(self.device)
 
     def _targets(self, call, out: torch.Tensor) -> torch.Tensor:
         targets = unpack_tokens(call.targets, self.config.model.vocab_size, self.max_elements)
         if tuple(targets.shape) != tuple(out.shape[:2]):
             raise ActivationError(f"targets {tuple(targets.shape)} for logits {tuple(out.shape)}")
-        return targets
+        return targets.to(self.device)
 
     def _inner_step(self) -> None:
         params = [p for p in self.module.parameters() if p.grad is not None]
@@ -168,7 +179,9 @@ class StageServer:
         self.round_steps += 1
 
     def _busy(self, t0: float, c0: float, units: float) -> None:
-        on_cpu = next(self.module.parameters()).device.type == "cpu"
+        on_cpu = self.device.type == "cpu"
+        if not on_cpu:
+            torch.cuda.synchronize(self.device)
         work = (time.thread_time() - c0) if on_cpu else (time.perf_counter() - t0)
         if self.slowdown > 1:
             time.sleep((self.slowdown - 1) * work)

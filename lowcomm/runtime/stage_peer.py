@@ -47,6 +47,7 @@ from lowcomm.pipeline.server import StageServer
 from lowcomm.pipeline.stages import StageModule, initial_stage
 from lowcomm.runtime.peer import MAX_STATE_BYTES, Peer
 from lowcomm.runtime.state_transfer import StateError, decode_state, download_state, encode_state
+from lowcomm.runtime.trainer import pick_device
 from lowcomm.transport.control import PeerRecord
 
 logger = logging.getLogger(__name__)
@@ -98,17 +99,18 @@ class StagePeer(Peer):
         codec = cfg.diloco.codec
         self.collective = ShardedReduce(self.me, self.service, self.channels, self.traffic, agreement, cfg.sync,
                                         codec, 1, on_event=self.log.event)
+        self.device = pick_device(o.device)
         self.server = StageServer(cfg, initial_stage(cfg.model, cfg.run.seed, 0, self.stages,
-                                                     cfg.pipeline.replicate_ends), 0, self.slowdown)
+                                                     cfg.pipeline.replicate_ends), 0, self.slowdown, self.device)
         self.service.stage_handler = self.server
         self.record = PeerRecord(self.me, self.endpoint, "parked" if o.start_file is not None else "joining",
-                                 "cpu", client_mode=self.client_mode)
+                                 self.device.type, client_mode=self.client_mode)
         self.router = StageRouter(random.Random(f"{cfg.run.seed}-{self.me}"))
         self.driver = Driver(o.run_name, self.me, self.stages, cfg.pipeline.replicate_ends, self.router,
                              self.channels, self.traffic, self._directory, lambda: self.server, cfg.pipeline.hop_timeout_s,
                              cfg.pipeline.stage_wait_s, cfg.sync.heartbeat_s, self.log.event, self.stop_requested)
         self.log.event("start", endpoint=self.endpoint, client_mode=self.client_mode, algo=cfg.run.algo,
-                       device="cpu", config_hash=cfg.config_hash(), data_shard=shard, stages=self.stages,
+                       device=self.device.type, config_hash=cfg.config_hash(), data_shard=shard, stages=self.stages,
                        slowdown=self.slowdown, link=str(o.link) if o.link is not None else None)
 
     def compute_seconds(self) -> float:
@@ -561,5 +563,5 @@ def _load_adam(optimizer: torch.optim.Optimizer, module: StageModule, tensors: d
     """The inner AdamW's moments from a replica's state (its step count sets the bias correction)."""
     for name, p in module.named_parameters():
         optimizer.state[p] = {"step": torch.tensor(float(step)),
-                              "exp_avg": tensors[f"adam.exp_avg.{name}"].clone(),
-                              "exp_avg_sq": tensors[f"adam.exp_avg_sq.{name}"].clone()}
+                              "exp_avg": tensors[f"adam.exp_avg.{name}"].to(p.device, copy=True),
+                              "exp_avg_sq": tensors[f"adam.exp_avg_sq.{name}"].to(p.device, copy=True)}
