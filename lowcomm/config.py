@@ -108,8 +108,8 @@ class PipelineConfig:
     stages: int = 1  # S > 1: pipeline mode (`simulate --stages`); must divide model.n_layers
     round_s: float = 15.0  # a stage's replicas sync every round_s seconds of DHT time (weighted by steps)
     checkfree_plus: bool = True  # S >= 4: swap the end stages' blocks on odd microbatches, replicate embed/head
-    recovery: str = "checkfree"  # checkfree | checkpoint (a lost stage restored from its last stage checkpoint)
-    checkpoint_every_rounds: int = 0  # K > 0: every K rounds a stage's leader writes the stage to the run folder
+    recovery: str = "checkfree"  # checkfree | checkpoint (the restart baseline: every stage back to its checkpoint)
+    checkpoint_every_rounds: int = 0  # K > 0: every K rounds each stage's leader writes the stage (run_stage_checkpoints)
     hop_timeout_s: float = 30.0  # one forward or backward call; a timeout retries on another replica
     stage_wait_s: float = 180.0  # how long a driver waits for a stage with no replica before dropping a microbatch
     rebalance_every_rounds: int = 2  # a rebalancing check after every such round (0: only the test hook)

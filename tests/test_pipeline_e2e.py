@@ -92,3 +92,20 @@ def test_an_overloaded_stage_receives_a_peer(tmp_path_factory):
     received = events(run["records"], "state_received")  # parameters and optimizer state from stage 1's replica
     assert received and received[0]["stage"] == 1 and received[0]["peer"] == moved[0]["peer"]
     assert run["report"]["failed_peers"] == []
+
+
+def test_the_restart_baseline_rolls_every_stage_back_to_one_checkpoint(tmp_path_factory):
+    """recovery = "checkpoint": the lost stage comes back from the newest round all stages checkpointed,
+    and every other replica loads its own stage's checkpoint of that round at the same round boundary."""
+    config = pipeline_config(3, 220, "killstage:1@r3", **{"pipeline.recovery": "checkpoint",
+                                                          "pipeline.checkpoint_every_rounds": 1})
+    run = simulate(tmp_path_factory, "restart", config, peers=6)
+    recovered = events(run["records"], "recover")
+    assert len(recovered) == 1 and recovered[0]["method"] == "checkpoint" and recovered[0]["stage"] == 1
+    rollbacks = events(run["records"], "rollback")
+    survivors = {e["peer"] for e in events(run["records"], "exit")} - {recovered[0]["peer"]}
+    assert {e["peer"] for e in rollbacks} == survivors  # every other peer went back ...
+    assert {(e["round"], e["at"]) for e in rollbacks} == {(recovered[0]["round"], recovered[0]["rollback_at"])}
+    assert not any(e["late"] for e in rollbacks)  # ... at the same boundary
+    assert all(len(r["phi_hashes"]) == 1 for r in run["report"]["rounds"])
+    assert run["report"]["failed_peers"] == []

@@ -222,3 +222,18 @@ def test_a_rebuilt_stage_trains_with_its_scaled_lr():
     server = server_pair(config, 1)[0]
     server.load(server.module, 1, lr_scale=LR_SCALE, step=1000)
     assert server.lr_at(1000) == pytest.approx(config.inner.lr * LR_SCALE)
+
+
+def test_stage_checkpoints_keep_the_newest_and_find_a_round_every_stage_has(tmp_path):
+    from lowcomm.runtime.stage_checkpoints import KEEP, StageCheckpoints
+
+    store = StageCheckpoints(tmp_path / "ckpt")
+    assert store.consistent_round(2) is None
+    for round_ in (3, 6, 9, 12):
+        store.write(0, round_, b"zero")
+    for round_ in (3, 6, 9):
+        store.write(1, round_, b"one")
+    assert store.rounds(0) == [6, 9, 12][-KEEP:]
+    assert store.consistent_round(2) == 9  # stage 1 has no round 12 yet
+    assert store.path(1, 9).read_bytes() == b"one"
+    assert not list((tmp_path / "ckpt").glob(".*tmp*"))  # written atomically, nothing left behind

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import random
 import threading
 import time
@@ -46,6 +45,7 @@ from lowcomm.pipeline.routing import StageRouter
 from lowcomm.pipeline.server import StageServer
 from lowcomm.pipeline.stages import StageModule, initial_stage
 from lowcomm.runtime.peer import MAX_STATE_BYTES, Peer
+from lowcomm.runtime.stage_checkpoints import StageCheckpoints
 from lowcomm.runtime.state_transfer import StateError, decode_state, download_state, encode_state
 from lowcomm.runtime.trainer import pick_device
 from lowcomm.transport.control import PeerRecord
@@ -79,6 +79,9 @@ class StagePeer(Peer):
         self.rounds_done = 0
         self._evaluation: threading.Thread | None = None
         self._empty_streak = 0  # consecutive checks that found a stage with no replica
+        self._rollback_done: tuple[int, int] | None = None  # (at round, to round) of the last rollback applied
+        run_dir = self.options.run_dir or Path(".")
+        self.checkpoints = StageCheckpoints(run_dir / "stage-checkpoints")
 
     # ---- join -------------------------------------------------------------------------------
 
@@ -175,9 +178,12 @@ class StagePeer(Peer):
             module = initial_stage(cfg.model, cfg.run.seed, stage, self.stages, cfg.pipeline.replicate_ends)
             self._install(module, self._make_algo(module, stage), stage)
         elif self._download_stage(stage, module, algo) is None:
-            self._rebuild(stage, module)
-            algo = self._make_algo(module, stage)  # φ = the rebuilt weights, a fresh outer optimizer
-            self._install(module, algo, stage, lr_scale=self._lr_scale, step=self._step)
+            if cfg.pipeline.recovery == "checkpoint":
+                self._restart_from_checkpoint(stage, module, algo)
+            else:
+                self._rebuild(stage, module)
+                algo = self._make_algo(module, stage)  # φ = the rebuilt weights, a fresh outer optimizer
+                self._install(module, algo, stage, lr_scale=self._lr_scale, step=self._step)
         self.record.stage_state = "online"
         self._publish_record()
         self.log.event("stage", stage=stage, previous=previous, how=how)
@@ -244,25 +250,65 @@ class StagePeer(Peer):
         if got is None:
             return None
         tensors, source = got
-        algo.load_state_tensors(tensors)  # φ and the outer optimizer; θ ← φ
-        self._install(module, algo, stage, lr_scale=float(tensors["meta.lr_scale"][0]),
-                      step=int(tensors["meta.step"][0]), adam=tensors, grad_norm=float(tensors["meta.grad_norm"][0]))
+        self._load_state(stage, module, algo, tensors)
         self.log.event("state_received", source=source, stage=stage, phi_hash=algo.phi_hash())
         return source
 
+    def _load_state(self, stage: int, module: StageModule, algo, tensors: dict[str, torch.Tensor]) -> None:
+        algo.load_state_tensors(tensors)  # φ and the outer optimizer; θ ← φ
+        self._install(module, algo, stage, lr_scale=float(tensors["meta.lr_scale"][0]),
+                      step=int(tensors["meta.step"][0]), adam=tensors, grad_norm=float(tensors["meta.grad_norm"][0]))
+
+    # ---- the restart baseline: every stage back to the last consistent checkpoint -------------
+
+    def _restart_from_checkpoint(self, stage: int, module: StageModule, algo) -> None:
+        """The lost stage comes back from the newest round every stage has a checkpoint of, and this
+        peer asks every other peer (its record's `rollback`) to load that round too, two rounds ahead,
+        so the replicas of each stage switch at the same round boundary."""
+        cfg = self.config
+        round_ = self.checkpoints.consistent_round(self.stages)
+        tensors = self._read_checkpoint(stage, round_, module, algo) if round_ is not None else None
+        if tensors is None:  # nothing to restart from: the stage starts over from φ_0
+            fresh = initial_stage(cfg.model, cfg.run.seed, stage, self.stages, cfg.pipeline.replicate_ends)
+            self._install(fresh, self._make_algo(fresh, stage), stage)
+            self.log.event("recover", stage=stage, method="restart from φ_0 (no checkpoint)", sources=[])
+            return
+        self._load_state(stage, module, algo, tensors)
+        self.record.rollback_to, self.record.rollback_at = round_, self._round_at(get_dht_time()) + 2
+        self._rollback_done = (self.record.rollback_at, round_)
+        self.log.event("recover", stage=stage, method="checkpoint", round=round_, sources=[],
+                       rollback_at=self.record.rollback_at)
+
+    def _read_checkpoint(self, stage: int, round_: int, module: StageModule, algo) -> dict | None:
+        path = self.checkpoints.path(stage, round_)
+        try:
+            return decode_state(path.read_bytes(), self._expected(module, algo))
+        except (OSError, StateError) as e:
+            self.log.event("state_error", source=str(path), stage=stage, error=str(e)[:200])
+            return None
+
+    def _maybe_roll_back(self, round_: int) -> None:
+        """Before round `round_`: load this stage's checkpoint of the rollback a restart asked for."""
+        asked = max(((r.rollback_at, r.rollback_to) for r in self.control.live_peers().values()
+                     if r.rollback_to >= 0), default=None)
+        if asked is None or asked == self._rollback_done or round_ < asked[0] or not self.server.ready:
+            return
+        at, to = asked
+        module = StageModule(self.config.model, self.stage, self.stages, self.config.pipeline.replicate_ends)
+        algo = self._make_algo(module, self.stage)
+        tensors = self._read_checkpoint(self.stage, to, module, algo)
+        self._rollback_done = asked
+        if tensors is None:
+            return
+        self._load_state(self.stage, module, algo, tensors)
+        self.log.event("rollback", stage=self.stage, round=to, at=at, late=round_ > at)
+
     def _rebuild(self, stage: int, module: StageModule) -> None:
-        """No replica of `stage` is left: CheckFree from the neighbours, or the last stage checkpoint."""
+        """No replica of `stage` is left: CheckFree(+) from its neighbours' φ."""
         cfg = self.config
         self._lr_scale, self._step = 1.0, 0
         expected = {n: tuple(p.shape) for n, p in module.named_parameters()}
         fresh = initial_stage(cfg.model, cfg.run.seed, stage, self.stages, cfg.pipeline.replicate_ends)
-        if cfg.pipeline.recovery == "checkpoint":
-            tensors, method = self._stage_checkpoint(stage, module), "checkpoint"
-            if tensors is None:
-                tensors, method = dict(fresh.state_dict()), "restart (no checkpoint yet)"
-            module.load_state_dict({n: tensors[n] for n in expected})
-            self.log.event("recover", stage=stage, method=method, sources=[])
-            return
         deadline = time.monotonic() + cfg.pipeline.stage_wait_s
         while not self.stop_requested.is_set():
             neighbours, sources, steps = {}, [], []
@@ -300,22 +346,6 @@ class StagePeer(Peer):
         norm = sum(norms) / len(norms) if norms else float(tensors["meta.grad_norm"][0])
         phi = {name[len("phi."):]: t for name, t in tensors.items() if name.startswith("phi.")}
         return (phi, norm), source, int(tensors["meta.step"][0])
-
-    def _stage_checkpoint(self, stage: int, module: StageModule) -> dict | None:
-        path = self._checkpoint_path(stage)
-        if path is None or not path.exists():
-            return None
-        try:
-            tensors = decode_state(path.read_bytes(), self._expected(module, self._make_algo(module, stage)))
-        except StateError as e:
-            self.log.event("state_error", source=str(path), stage=stage, error=str(e)[:200])
-            return None
-        return {name[len("phi."):]: t for name, t in tensors.items() if name.startswith("phi.")}
-
-    def _checkpoint_path(self, stage: int) -> Path | None:
-        if self.options.run_dir is None:
-            return None
-        return self.options.run_dir / "stage-checkpoints" / f"stage-{stage}.safetensors"
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -360,6 +390,7 @@ class StagePeer(Peer):
                 self.stop_requested.wait(min(wait, 1.0))
                 continue
             round_, next_round = next_round, self._round_at(get_dht_time()) + 1
+            self._maybe_roll_back(round_)
             self._stage_round(round_)
             if self.stop_requested.is_set():
                 break
@@ -450,13 +481,10 @@ class StagePeer(Peer):
         return result
 
     def _maybe_checkpoint(self, round_: int, result) -> None:
-        every, path = self.config.pipeline.checkpoint_every_rounds, self._checkpoint_path(self.stage)
-        if every <= 0 or path is None or round_ % every or result.info.get("leader") != self.me:
+        every = self.config.pipeline.checkpoint_every_rounds
+        if every <= 0 or self.options.run_dir is None or round_ % every or result.info.get("leader") != self.me:
             return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp-{os.getpid()}")
-        tmp.write_bytes(self.holder.snapshot.blob)
-        os.replace(tmp, path)
+        self.checkpoints.write(self.stage, round_, self.holder.snapshot.blob)
         self.log.event("stage_checkpoint", stage=self.stage, round=round_)
 
     # ---- evaluation, rebalancing ------------------------------------------------------------

@@ -47,6 +47,8 @@ class PeerRecord:
     stage_state: str = ""
     grad_norm: float = 0.0
     done_at: float = 0.0
+    rollback_to: int = -1  # the restart baseline: every stage loads its checkpoint of this round ...
+    rollback_at: int = -1  # ... before this round
 
     @classmethod
     def from_value(cls, value: Any) -> "PeerRecord":
@@ -57,6 +59,7 @@ class PeerRecord:
         if not isinstance(record.peer_id, str) or not isinstance(record.endpoint, str):
             raise ValueError("peer record has no peer_id or endpoint")
         record.round, record.step, record.stage = int(record.round), int(record.step), int(record.stage)
+        record.rollback_to, record.rollback_at = int(record.rollback_to), int(record.rollback_at)
         record.throughput, record.grad_norm, record.done_at = (float(record.throughput), float(record.grad_norm),
                                                                float(record.done_at))
         if not all(map(math.isfinite, (record.throughput, record.grad_norm, record.done_at))):
