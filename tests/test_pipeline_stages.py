@@ -224,16 +224,25 @@ def test_a_rebuilt_stage_trains_with_its_scaled_lr():
     assert server.lr_at(1000) == pytest.approx(config.inner.lr * LR_SCALE)
 
 
-def test_stage_checkpoints_keep_the_newest_and_find_a_round_every_stage_has(tmp_path):
+def test_stage_checkpoints_keep_what_a_restart_needs(tmp_path):
     from lowcomm.runtime.stage_checkpoints import KEEP, StageCheckpoints
 
-    store = StageCheckpoints(tmp_path / "ckpt")
-    assert store.consistent_round(2) is None
-    for round_ in (3, 6, 9, 12):
-        store.write(0, round_, b"zero")
-    for round_ in (3, 6, 9):
+    store = StageCheckpoints(tmp_path / "ckpt", stages=2)
+    assert store.consistent_round() is None
+    for round_ in (1, 2, 3):
         store.write(1, round_, b"one")
-    assert store.rounds(0) == [6, 9, 12][-KEEP:]
-    assert store.consistent_round(2) == 9  # stage 1 has no round 12 yet
-    assert store.path(1, 9).read_bytes() == b"one"
+    for round_ in range(1, 9):  # stage 1 is down from round 4 on: stage 0 keeps writing
+        store.write(0, round_, b"zero")
+    assert store.consistent_round() == 3
+    assert store.rounds(0) == [3, 4, 5, 6, 7, 8]  # round 3 and after are kept: the restart needs round 3
+    assert store.path(1, 3).read_bytes() == b"one"
+    for round_ in (9, 10, 11):
+        store.write(1, round_, b"one")
+    store.write(0, 9, b"zero")
+    assert store.consistent_round() == 9 and store.rounds(0) == [7, 8, 9][-KEEP:]
+    store.pin(9)  # a restart loads round 9: newer rounds everywhere must not prune it
+    for round_ in (12, 13, 14, 15):
+        store.write(0, round_, b"zero")
+        store.write(1, round_, b"one")
+    assert 9 in store.rounds(0) and 9 in store.rounds(1)
     assert not list((tmp_path / "ckpt").glob(".*tmp*"))  # written atomically, nothing left behind

@@ -81,7 +81,7 @@ class StagePeer(Peer):
         self._empty_streak = 0  # consecutive checks that found a stage with no replica
         self._rollback_done: tuple[int, int] | None = None  # (at round, to round) of the last rollback applied
         run_dir = self.options.run_dir or Path(".")
-        self.checkpoints = StageCheckpoints(run_dir / "stage-checkpoints")
+        self.checkpoints = StageCheckpoints(run_dir / "stage-checkpoints", self.config.pipeline.stages)
 
     # ---- join -------------------------------------------------------------------------------
 
@@ -266,13 +266,14 @@ class StagePeer(Peer):
         peer asks every other peer (its record's `rollback`) to load that round too, two rounds ahead,
         so the replicas of each stage switch at the same round boundary."""
         cfg = self.config
-        round_ = self.checkpoints.consistent_round(self.stages)
+        round_ = self.checkpoints.consistent_round()
         tensors = self._read_checkpoint(stage, round_, module, algo) if round_ is not None else None
         if tensors is None:  # nothing to restart from: the stage starts over from φ_0
             fresh = initial_stage(cfg.model, cfg.run.seed, stage, self.stages, cfg.pipeline.replicate_ends)
             self._install(fresh, self._make_algo(fresh, stage), stage)
             self.log.event("recover", stage=stage, method="restart from φ_0 (no checkpoint)", sources=[])
             return
+        self.checkpoints.pin(round_)
         self._load_state(stage, module, algo, tensors)
         self.record.rollback_to, self.record.rollback_at = round_, self._round_at(get_dht_time()) + 2
         self._rollback_done = (self.record.rollback_at, round_)
