@@ -113,3 +113,14 @@ def test_the_restart_baseline_rolls_every_stage_back_to_one_checkpoint(tmp_path_
     assert not any(e["late"] for e in rollbacks)  # ... at the same boundary
     assert all(len(r["phi_hashes"]) == 1 for r in run["report"]["rounds"])
     assert run["report"]["failed_peers"] == []
+
+
+def test_sparseloco_syncs_the_replicas_of_each_stage(tmp_path_factory):
+    config = pipeline_config(2, STEPS // 2, **{"run.algo": "sparseloco"})
+    run = simulate(tmp_path_factory, "sparseloco", config, peers=4)
+    report = run["report"]
+    assert {r["stage"] for r in report["rounds"]} == {0, 1}
+    for row in report["rounds"]:
+        assert len(row["contributors"]) == 2 and len(row["phi_hashes"]) == 1, row
+    assert report["final_loss"] < report["evals"][0]["loss"]
+    assert report["failed_peers"] == []
