@@ -124,16 +124,27 @@ def test_inbox_take_ends_at_the_deadline_with_what_arrived():
 
 # ---------------------------------------------------------------------- the exchange over gRPC
 class StandInAgreement:
-    """Hands out a fixed manifest per round; ``gate`` (an Event) can hold a member before it reads it."""
+    """Hands out a fixed manifest per round; ``gate`` (an Event) can hold a member before it reads it.
+
+    With ``announced`` (a set shared by the members' copies), a member reads the manifest only once
+    every member has announced, as the DHT's manifest lists announcers only: a member announces
+    after it entered the round, so no push can reach a member that has not entered it.
+    """
 
     def __init__(self, run: str, members: dict[str, str], gate: threading.Event | None = None,
-                 excluded: frozenset[str] = frozenset()):
+                 excluded: frozenset[str] = frozenset(), announced: set | None = None):
         self.run, self.members, self.gate, self.excluded = run, members, gate, excluded
+        self.announced, self.cond = announced, threading.Condition()
         self.me = None
 
     def agree(self, group, round_, epoch_rounds, codec, suspects=frozenset()):
         if self.gate is not None:
             assert self.gate.wait(60), "the test never opened the gate"
+        if self.announced is not None:
+            with self.cond:
+                self.announced.add(self.me)
+                self.cond.notify_all()
+                assert self.cond.wait_for(lambda: set(self.members) <= self.announced, 60), "a member never announced"
         ids = sorted(p for p in self.members if p not in self.excluded)
         manifest = Manifest(self.run, group, round_, epoch_rounds, ids[0], ids, {p: self.members[p] for p in ids},
                             ids, codec)
@@ -154,8 +165,9 @@ class Member:
         self.sync = sync
 
     def join(self, agreement: StandInAgreement, codec: str = "fp32") -> PairExchange:
-        agreement = StandInAgreement(agreement.run, agreement.members, agreement.gate, agreement.excluded)
-        agreement.me = self.id
+        shared = agreement
+        agreement = StandInAgreement(shared.run, shared.members, shared.gate, shared.excluded, shared.announced)
+        agreement.cond, agreement.me = shared.cond, self.id
         self.exchange = PairExchange(self.id, self.service, self.channels, self.traffic, agreement, self.sync, codec,
                                      SHAPES, lambda run, r, members: group_of(run, r, members, 2),
                                      on_event=lambda kind, **fields: self.events.append({"kind": kind, **fields}))
@@ -180,7 +192,7 @@ def endpoints(swarm) -> dict[str, str]:
 
 
 def test_every_member_receives_exactly_its_mates_tensors_and_bytes_are_counted(swarm):
-    agreement = StandInAgreement(KEY.run, endpoints(swarm))
+    agreement = StandInAgreement(KEY.run, endpoints(swarm), announced=set())
     exchanges = {p: m.join(agreement) for p, m in swarm.items()}
     inputs = {p: tensors_for(i) for i, p in enumerate(swarm)}
     handles = {p: ex.start(KEY, 3, inputs[p]) for p, ex in exchanges.items()}

@@ -343,7 +343,7 @@ def test_simulate_accepts_link_and_refuses_a_bad_one_before_starting(capsys):
     assert build_parser().parse_args(["peer", "join", "--coordinator", "x", "--run-key", "k",
                                       "--link", "20mbit"]).link == "20mbit"
     assert build_parser().parse_args(["simulate", "--netns"]).netns is True  # tests/test_netns_sim.py runs it
-    assert main(["simulate", "--stages", "2"]) == 2
+    assert main(["simulate", "--stages", "3"]) == 2  # 4 blocks do not cut into 3 equal stages: refused at once
     assert main(["simulate", "--link", "100mbps"]) == 2  # a config error, before anything starts
     assert "ambiguous" in capsys.readouterr().err
 
