@@ -78,6 +78,7 @@ class StagePeer(Peer):
         self._rebalance_hook_fired = False
         self.rounds_done = 0
         self._evaluation: threading.Thread | None = None
+        self._final_scored = False
         self._empty_streak = 0  # consecutive checks that found a stage with no replica
         self._rollback_done: tuple[int, int] | None = None  # (at round, to round) of the last rollback applied
         run_dir = self.options.run_dir or Path(".")
@@ -406,6 +407,8 @@ class StagePeer(Peer):
     def _await_final_evaluation(self) -> None:
         """Keep serving until the evaluator scored the final model (its record says `complete`)."""
         if self._is_evaluator():
+            if not self._final_scored:  # the final round was skipped (this loop was late): score it now
+                self._evaluate(self.round, True, self.config.pipeline.stage_wait_s)
             self.record.state = "complete"
             self._publish_record()
             return
@@ -511,6 +514,7 @@ class StagePeer(Peer):
             self.log.event("eval_skipped", round=round_, reason=str(e)[:200])
             return
         tokens = sum(r.step for r in self._stage_records() if r.peer_id != self.me) + self.driver_steps
+        self._final_scored = self._final_scored or final
         self.log.write("eval", round=round_ + 1, step=self.driver_steps, tokens=tokens * self.tokens_per_step,
                        loss=loss, final=final)
 
