@@ -173,18 +173,19 @@ class StagePeer(Peer):
             self.record.stage_state = "joining"
             self.holder.run_id = stage_run_id(self.options.run_name, stage)
         self._publish_record()
-        module = StageModule(cfg.model, stage, self.stages, cfg.pipeline.replicate_ends)
-        algo = None if how == "seed" else self._make_algo(module, stage)
         if how == "seed":
             module = initial_stage(cfg.model, cfg.run.seed, stage, self.stages, cfg.pipeline.replicate_ends)
             self._install(module, self._make_algo(module, stage), stage)
-        elif self._download_stage(stage, module, algo) is None:
-            if cfg.pipeline.recovery == "checkpoint":
-                self._restart_from_checkpoint(stage, module, algo)
-            else:
-                self._rebuild(stage, module)
-                algo = self._make_algo(module, stage)  # φ = the rebuilt weights, a fresh outer optimizer
-                self._install(module, algo, stage, lr_scale=self._lr_scale, step=self._step)
+        else:
+            module = StageModule(cfg.model, stage, self.stages, cfg.pipeline.replicate_ends)
+            algo = self._make_algo(module, stage)
+            if self._download_stage(stage, module, algo) is None:  # no replica left there
+                if cfg.pipeline.recovery == "checkpoint":
+                    self._restart_from_checkpoint(stage, module, algo)
+                else:
+                    self._rebuild(stage, module)
+                    algo = self._make_algo(module, stage)  # φ = the rebuilt weights, a fresh outer optimizer
+                    self._install(module, algo, stage, lr_scale=self._lr_scale, step=self._step)
         self.record.stage_state = "online"
         self._publish_record()
         self.log.event("stage", stage=stage, previous=previous, how=how)
