@@ -9,7 +9,8 @@ with --peers peers and seed 0, then the other seeds, then --extra-peers peers wi
 whose report JSON exists is not run again (resumable per row); --reuse DIR takes `ddp-STEPS-pP-sS.json`
 and `diloco-STEPS-pP-sS.json` from an earlier run of the same config (Step 1's backbone measurement)
 instead of rerunning them. The table OUT/table.md, OUT/results.json and the loss plots are rewritten
-after every cell, with the cells still missing listed.
+after every cell from every finished cell of the whole grid (seeds 0-2, 4 and 8 peers, every variant),
+whatever subset this run was given, with the grid's cells still missing listed.
 
 Columns: final held-out loss (mean ± std over the seeds done), its gap to ddp's at the same peers
 and seeds, bytes per token (everything the peers' gRPC sent, checkpoints apart), compression vs ddp,
@@ -168,6 +169,15 @@ def plot(results: dict[tuple, dict], out: Path) -> None:
             compare_reports(chosen, out / f"loss-p{peers}.png", f"{peers} peers, seed 0, loopback")
 
 
+def write_outputs(out: Path, grid: list[tuple]) -> None:
+    """table.md, results.json and the plots from every finished cell of the grid."""
+    results = {c: json.loads((out / f"{cell_name(*c)}.json").read_text()) for c in grid
+               if (out / f"{cell_name(*c)}.json").exists()}
+    (out / "table.md").write_text(table(results, [c for c in grid if c not in results]))
+    (out / "results.json").write_text(json.dumps({cell_name(*c): r for c, r in results.items()}, indent=1))
+    plot(results, out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=2000)
@@ -181,7 +191,11 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     todo = cells(args.variants, args.steps, args.peers, args.seeds, args.extra_peers)
-    results, started, ran = {}, time.time(), 0
+    # the table covers the whole grid, so a run of a few variants or seeds keeps the other rows
+    grid = cells(available_variants(), args.steps, args.peers, sorted({0, 1, 2, *args.seeds}),
+                 sorted({8, *args.extra_peers}))
+    grid += [c for c in todo if c not in grid]
+    started, ran = time.time(), 0
     for i, cell in enumerate(todo):
         path = args.out / f"{cell_name(*cell)}.json"
         if not args.table_only and not path.exists():
@@ -196,12 +210,8 @@ def main() -> None:
             left = sum(1 for c in todo[i + 1:] if not (args.out / f"{cell_name(*c)}.json").exists())
             print(f"[{i + 1}/{len(todo)}] {cell_name(*cell)} done in {time.time() - t0:.0f}s; "
                   f"ETA {(time.time() - started) / max(ran, 1) * left / 60:.0f} min for {left} cells", flush=True)
-        if path.exists():
-            results[cell] = json.loads(path.read_text())
-        missing = [c for c in todo if not (args.out / f"{cell_name(*c)}.json").exists()]
-        (args.out / "table.md").write_text(table(results, missing))
-        (args.out / "results.json").write_text(json.dumps({cell_name(*c): r for c, r in results.items()}, indent=1))
-        plot(results, args.out)
+            write_outputs(args.out, grid)
+    write_outputs(args.out, grid)
     print((args.out / "table.md").read_text())
 
 

@@ -48,6 +48,7 @@ from experiments.sync_worker import touch, wait_for  # noqa: E402
 HIVEMIND_WORKER = REPO / "experiments" / "hivemind_worker.py"
 BOOT_WORKER = REPO / "experiments" / "sync_worker.py"
 LOWCOMM_ALGOS = ("ddp", "diloco", "sparseloco", "demo", "streaming-diloco", "noloco")
+OVERLAP = "-overlap"  # `diloco-overlap`, `sparseloco-overlap`: the algorithm with `simulate --overlap`
 STARTUP_TIMEOUT_S = 600.0
 
 
@@ -60,10 +61,11 @@ def row_name(system: str, rate: int, steps: int, peers: int) -> str:
 def run_lowcomm(out: Path, algo: str, rate: int, steps: int, peers: int, seed: int) -> dict:
     name = row_name(algo, rate, steps, peers)
     report_path = out / "runs" / f"{name}.report.json"
-    cmd = [sys.executable, "-m", "lowcomm.cli", "simulate", "--peers", str(peers), "--algo", algo,
+    base = algo.removesuffix(OVERLAP)
+    cmd = [sys.executable, "-m", "lowcomm.cli", "simulate", "--peers", str(peers), "--algo", base,
            "--steps", str(steps), "--seed", str(seed), "--netns", "--link", f"{rate}mbit",
            "--report", str(report_path), "--run-dir", str(out / "runs" / name)]
-    subprocess.run(cmd, check=True)
+    subprocess.run(cmd + (["--overlap"] if base != algo else []), check=True)
     return lowcomm_row(out, report_path, algo, rate, steps, peers)
 
 
@@ -252,7 +254,9 @@ def main() -> None:
     parser.add_argument("--rates", type=int, nargs="+", default=[100, 20], help="Mbit/s per peer, each way")
     parser.add_argument("--ddp-steps", type=int, default=300)
     parser.add_argument("--systems", nargs="+", default=["ddp", "diloco", "sparseloco", "demo", "hivemind"],
-                        help=f"hivemind and lowcomm algorithms: {', '.join(LOWCOMM_ALGOS)}")
+                        choices=[*LOWCOMM_ALGOS, f"diloco{OVERLAP}", f"sparseloco{OVERLAP}", "hivemind"],
+                        help=f"hivemind and lowcomm algorithms: {', '.join(LOWCOMM_ALGOS)}; "
+                             f"diloco{OVERLAP} and sparseloco{OVERLAP} add `simulate --overlap`")
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--config", default=None, help="a lowcomm TOML for hivemind's workers (default: embedded)")
