@@ -16,7 +16,9 @@ Columns: final held-out loss (mean ± std over the seeds done), its gap to ddp's
 and seeds, bytes per token (everything the peers' gRPC sent, checkpoints apart), compression vs ddp,
 the payload bound (what the method's payloads alone would give, from the codecs' exact sizes over
 the model's real tensor list: 4·numel bytes per ddp step against one peer's payload per sync over its
-steps per sync) and measured / bound, compute utilization and wall time. Time to ddp's loss over
+steps per sync) and measured / bound, compute utilization, the shares of the peers' wall time their
+training loops spent in their syncs (codec work, network, DHT, bookkeeping) and evaluating the held-out
+set (n/a for cells run before the peers logged them), and wall time. Time to ddp's loss over
 emulated links is measured by experiments/vs_hivemind.py (namespace mode, the same algorithms).
 """
 
@@ -132,10 +134,16 @@ def _mean_std(values: list[float], spec: str) -> str:
     return f"{statistics.mean(values):{spec}} ± {statistics.stdev(values):{spec}}"
 
 
+def _shares(by_seed: dict[int, dict], seeds: list[int], key: str) -> str:
+    """A share of the peers' wall time, over the seeds that measured it (cells before it was logged did not)."""
+    values = [by_seed[s][key] for s in seeds if by_seed[s].get(key) is not None]
+    return _mean_std(values, ".2f") if values else "n/a"
+
+
 def table(results: dict[tuple, dict], missing: list[tuple]) -> str:
     lines = ["| variant | peers | seeds | final loss | gap vs ddp | bytes/token | compression vs ddp | payload bound "
-             "| measured / bound | compute util. | wall s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| measured / bound | compute util. | waiting on syncs | evaluating | wall s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     groups: dict[tuple, dict[int, dict]] = {}
     for (variant, steps, peers, seed), report in results.items():
         groups.setdefault((variant, steps, peers), {})[seed] = report
@@ -155,6 +163,7 @@ def table(results: dict[tuple, dict], missing: list[tuple]) -> str:
             f"{_mean_std([100 * g for g in gaps], '+.1f') + '%' if gaps and variant != 'ddp' else ''} | {bpt:.1f} | "
             f"{f'{comp:.0f}x' if comp else 'n/a'} | {bound:.0f}x | {f'{comp / bound:.2f}' if comp else 'n/a'} | "
             f"{_mean_std([by_seed[s]['compute_utilization'] for s in seeds], '.2f')} | "
+            f"{_shares(by_seed, seeds, 'sync_wait_share')} | {_shares(by_seed, seeds, 'eval_share')} | "
             f"{statistics.mean(by_seed[s]['wall_s'] for s in seeds):.0f} |")
     text = "\n".join(lines) + "\n"
     if missing:

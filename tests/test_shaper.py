@@ -372,6 +372,18 @@ def test_report_lists_links_and_the_rounds_link_bound():
     assert capped["rounds"][0]["link_bound_s"] == pytest.approx(1.8)  # b: 900 kB at 0.5 MB/s
 
 
+def test_report_splits_the_training_loops_time():
+    compute = [{"type": "compute", "peer": p, "first_step_t": 0.0, "last_step_t": 10.0, "steps": 4, "tokens": 8,
+                "compute_s": 6.0, "sync_wait_s": wait, "eval_s": ev} for p, wait, ev in (("a", 3.0, 1.0),
+                                                                                        ("b", 1.0, 0.0))]
+    report = build_report(compute, algo="diloco", peers=2, seed=0, model_params=1, started_at=0.0)
+    assert (report["sync_wait_s"], report["eval_s"]) == (4.0, 1.0)
+    assert (report["compute_utilization"], report["sync_wait_share"], report["eval_share"]) == (0.6, 0.2, 0.05)
+    older = [{k: v for k, v in r.items() if k not in ("sync_wait_s", "eval_s")} for r in compute]
+    report = build_report(older, algo="diloco", peers=2, seed=0, model_params=1, started_at=0.0)
+    assert report["sync_wait_s"] is None and report["eval_share"] is None  # not measured is not zero
+
+
 # ---- a shaped simulation ---------------------------------------------------------------------------
 
 @pytest.mark.integration
@@ -388,6 +400,13 @@ def test_shaped_simulation_rounds_take_at_least_their_bytes_over_the_rate(tmp_pa
     for r in (r for r in sim.records() if r["type"] == "round"):
         per_peer.setdefault(r["round"], []).append(r["bytes"])
     assert sorted(per_peer) == [0, 1, 2, 3]
+    # every round a peer recorded is time its training loop waited (the loop's clock wraps the round's)
+    last = {r["peer"]: r for r in sim.records() if r["type"] == "compute"}
+    for peer, c in last.items():
+        own = sum(r["sync_s"] for r in sim.records() if r["type"] == "round" and r["peer"] == peer)
+        assert c["sync_wait_s"] >= own - 1e-3 and own > 0
+    assert report["sync_wait_s"] == pytest.approx(sum(c["sync_wait_s"] for c in last.values()))
+    assert report["eval_s"] > 0  # the final evaluation at least
     for row in report["rounds"]:
         slack = link.bytes_per_s * BURST_S
         assert all(row["sync_s"] * link.bytes_per_s >= b - slack for b in per_peer[row["round"]]), row

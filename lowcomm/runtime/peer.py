@@ -106,6 +106,9 @@ class Peer:
         self.log = RunLog(options.run_dir / "peers" / f"{self.me}.jsonl" if options.run_dir else None, self.me)
         self.record: PeerRecord | None = None
         self._heartbeat_stop = threading.Event()
+        # wall seconds the training loop spent outside compute: in its syncs (codec work, the network,
+        # the DHT, bookkeeping) and in the held-out evaluations it runs
+        self.loop_s = {"sync": 0.0, "eval": 0.0}
 
     # ---- join -------------------------------------------------------------------------------
 
@@ -378,7 +381,7 @@ class Peer:
                 first_step_t = time.time()
             self.trainer.forward_backward()
             if self.config.per_step:
-                if not self._sync(self.step):
+                if not self._timed("sync", self._sync, self.step):
                     continue
                 if self.config.run.algo == "ddp":  # DeMo's sync applied its own update
                     self.trainer.optimizer_step(self.step)
@@ -388,19 +391,28 @@ class Peer:
             self.steps_done += 1
             self.record.step = self.step
             if self.config.streaming_run:
-                self._streaming_step()
+                self._timed("sync", self._streaming_step)
             elif not self.config.per_step and self.step % self.rounds_per_sync == 0:
-                self._sync(self.round)
+                self._timed("sync", self._sync, self.round)
             if self._pending_eval is not None:
-                self._maybe_evaluate(*self._pending_eval)
+                self._timed("eval", self._maybe_evaluate, *self._pending_eval)
                 self._pending_eval = None
             if self.step % 10 == 0 or self.step >= total:
                 self.log.write("compute", compute_s=self.trainer.compute_s, steps=self.steps_done,
+                               sync_wait_s=self.loop_s["sync"], eval_s=self.loop_s["eval"],
                                tokens=self.tokens_trained, first_step_t=first_step_t, last_step_t=time.time(),
                                bytes_sent=self.traffic.sent, checkpoint_bytes=self.traffic.checkpoint_sent)
         if self.config.overlap and self.algo.pending is not None and not self.stop_requested.is_set():
             self._drain_overlap()
         self.log.event("done" if self.step >= total else "stopped", round=self.round, step=self.step)
+
+    def _timed(self, what: str, call, *args):
+        """``call(*args)`` from the training loop, its wall time added to ``loop_s[what]``."""
+        t0 = time.perf_counter()
+        try:
+            return call(*args)
+        finally:
+            self.loop_s[what] += time.perf_counter() - t0
 
     def _sync(self, round_: int) -> bool:
         """One collective round; True when this peer applied the agreed aggregate."""

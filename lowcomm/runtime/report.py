@@ -1,9 +1,12 @@
 """The simulation report of DESIGN.md, assembled from the peers' JSONL records.
 
 Beyond DESIGN.md's fields: `links` (each peer's emulated link, None when unshaped, from its start
-event), NoLoCo's `rounds[].groups` and `rounds[].paired` (see `_gossip_round`), for Streaming DiLoCo `rounds[].fragment` and `rounds[].blocked_s` (the longest any peer's
-training waited for the round at its apply step; its `sync_s` is the reduce's own time, which
-overlaps τ inner steps), and `rounds[].link_bound_s`, the least time the round's bytes needed on the links: the
+event), NoLoCo's `rounds[].groups` and `rounds[].paired` (see `_gossip_round`), for Streaming
+DiLoCo `rounds[].fragment` and `rounds[].blocked_s` (the longest any peer's training waited for the
+round at its apply step; its `sync_s` is the reduce's own time, which overlaps τ inner steps),
+`sync_wait_s` and `eval_s` (the seconds the peers' training loops spent in their syncs and in
+held-out evaluations, summed; `*_share` divides them by peers × wall, like `compute_utilization`),
+and `rounds[].link_bound_s`, the least time the round's bytes needed on the links: the
 largest bytes / upload rate over the round's shaped peers. Every peer's sync starts before the
 round's manifest and every byte of the round is sent after it and awaited by some member, so the
 round's `sync_s` (the slowest peer's) is not below it (up to the shaper's 10 ms burst) unless a
@@ -63,6 +66,10 @@ def build_report(records: list[dict], *, algo: str, peers: int, seed: int, model
     }
     report["bytes_per_token"] = report["bytes_sent"] / report["tokens"] if report["tokens"] else None
     report["compute_utilization"] = (report["compute_s"] / (peers * report["wall_s"])) if report["wall_s"] > 0 else None
+    for what in ("sync_wait", "eval"):  # the training loop's other time, as a share of the peers' wall time
+        seconds = [c[f"{what}_s"] for c in compute.values() if f"{what}_s" in c]
+        report[f"{what}_s"] = sum(seconds) if seconds else None
+        report[f"{what}_share"] = (sum(seconds) / (peers * report["wall_s"])) if seconds and report["wall_s"] > 0 else None
     report.update(extra or {})
     return report
 
