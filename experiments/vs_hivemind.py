@@ -21,7 +21,8 @@ the ceiling (t_compute + t_ddp_sync) / t_compute measured in the ddp row; vs hiv
 time and >= 10x fewer bytes.
 
 A row whose JSON exists under OUT/ is not run again (the script resumes a killed session); the
-table OUT/table.md, OUT/results.json and the plots are rewritten after every row. Must run as root.
+table OUT/table.md, OUT/results.json and the plots are rewritten after every row, from every row
+under OUT/ (a run of a few --systems keeps the others' rows). Must run as root.
 """
 
 from __future__ import annotations
@@ -291,10 +292,19 @@ def main() -> None:
             if system != "hivemind" and "control_bytes" not in rows[name] and report.exists():
                 rows[name] = lowcomm_row(args.out, report, system, rate, steps, args.peers)  # rows from before the split
                 path.write_text(json.dumps(rows[name], indent=1))
-        (args.out / "table.md").write_text(table(rows, args.peers))
-        (args.out / "results.json").write_text(json.dumps(rows, indent=1))
-        plot(rows, args.out)
-    print(table(rows, args.peers))
+        write_outputs(args.out, rows, args.peers)
+    print(write_outputs(args.out, rows, args.peers))
+
+
+def write_outputs(out: Path, rows: dict, peers: int) -> str:
+    """table.md, results.json and the plots from these rows and every other row already in OUT."""
+    every = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob(f"*-p{peers}.json"))}
+    every.update(rows)
+    text = table(every, peers)
+    (out / "table.md").write_text(text)
+    (out / "results.json").write_text(json.dumps(every, indent=1))
+    plot(every, out)
+    return text
 
 
 if __name__ == "__main__":
