@@ -82,6 +82,30 @@ def test_bundle_rejects_malformed_parts_and_replies():
             bundle.finish(blob, bounds)
 
 
+def test_owner_leaves_out_each_contributors_own_part_and_the_member_puts_it_back():
+    config = SparseLoCoConfig(topk=8)
+    bundle = sparseloco_combiner(config, SHAPES)
+    bounds = bundle.shard_bounds(1, sum(math.prod(s) for s in SHAPES))[0]
+    parts = {f"peer-{i}": bundle.encode(payloads(i, config)[0], bounds) for i in range(3)}
+    whole = bundle.close({name: (bundle.accept(part, bounds), 1.0) for name, part in parts.items()}, bounds)
+    for name, part in parts.items():
+        reply = bundle.reply_for(whole, name)
+        assert len(whole) - len(reply) == len(part)  # exactly the member's own bytes stay home
+        assert bundle.complete(reply, name, part) == whole  # and the member holds the same bundle as all
+        with pytest.raises(ContributionRejected, match="left out"):
+            bundle.finish(reply, bounds)  # an incomplete bundle is never combined
+        with pytest.raises(ContributionRejected, match="left out"):
+            bundle.complete(reply, name, None)  # a holder's copy (GetShard) must be whole
+        other = next(n for n in parts if n != name)
+        with pytest.raises(ContributionRejected, match="left out"):
+            bundle.complete(reply, other, parts[other])  # only one's own part may be missing
+    assert bundle.reply_for(whole, "not-a-contributor") == whole
+    assert bundle.complete(whole, "peer-0", parts["peer-0"]) == whole  # an owner that echoes is still read
+    twice = struct.pack("<I", 4) + whole[4:] + whole[4:whole.index(b"peer-1") - 1]  # peer-0 again
+    with pytest.raises(ContributionRejected, match="twice"):
+        bundle.finish(twice, bounds)
+
+
 def test_dense_mean_weights_by_tokens():
     mean = DenseMean("fp32", 0)
     bounds = (0, 4)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lowcomm.config import default_config
+from lowcomm.models.gpt import GPT
 from lowcomm.runtime.sim import Simulation
 
 pytestmark = pytest.mark.integration
@@ -36,3 +37,12 @@ def test_sparse_algorithms_agree_every_round_and_the_loss_falls(algo, tmp_path):
     dense = 4 * report["model_params"]
     for r in records:
         assert r["bytes"] < len(r["participants"]) * dense / 5
+    # ...and an all-gather's worth, (N−1)·S per peer for payloads of S (the codecs' exact sizes; zstd
+    # and the gRPC framing move it a few % either way): owners do not echo a member's own part back,
+    # which would add (N−1)/N·S per peer, a third more at N = 3.
+    shapes = [tuple(p.shape) for p in GPT(config.model).parameters()]
+    codec_for = config.sparseloco.codec_for if algo == "sparseloco" else lambda _: config.demo.codec()
+    payload = sum(codec_for(shape).raw_size(shape) for shape in shapes)
+    full = [r for r in records if len(r["contributors"]) == PEERS]
+    ratios = [r["bytes"] / (PEERS * (PEERS - 1) * payload) for r in full]
+    assert full and max(ratios) < 1.12, ratios

@@ -10,6 +10,9 @@ The sharded reduce moves bytes; a combiner gives them meaning:
   the algorithm's rule (SparseLoCo: clipped scatter-mean), in that fixed order, so all get
   identical values. Shards follow parameter
   boundaries because each parameter is encoded on its own (top-k chunks are per 2-D parameter).
+  The owner does not echo a member's own part back to it (``reply_for``): the member puts back
+  the bytes it sent (``complete``), so each peer sends (N−1)·S per round for a payload of S, the
+  all-gather's bound, instead of (N−1)(N+1)/N·S.
 
 Both raise ``ContributionRejected`` on anything malformed.
 """
@@ -71,13 +74,21 @@ class DenseMean:
     def max_reply_bytes(self, bounds: tuple[int, int], members: int) -> int:
         return (bounds[1] - bounds[0]) * 4 + (64 << 10)
 
+    def reply_for(self, blob: bytes, recipient: str) -> bytes:
+        return blob  # the mean is one blob for everyone
+
+    def complete(self, blob: bytes, me: str, own_part: bytes | None) -> bytes:
+        return blob
+
 
 class SparseBundle:
     """Forward the contributors' per-parameter payloads; members combine them with ``combine``.
 
     Payload passed to ``start``: one encoded blob per parameter, in parameter order. A shard is a
     run of whole parameters; a member's part is ``u32 count | (u32 length | blob) × count``. The
-    owner's reply is ``u32 contributors | (u8 id length | id | u32 part length | part) × n``.
+    owner's bundle is ``u32 contributors | (u8 id length | id | u32 part length | part) × n``,
+    sorted by id. In the reply to a contributor, its own entry has the length ``YOURS`` and no
+    bytes; holders keep and serve the whole bundle.
     """
 
     name = "sparse-bundle"
@@ -147,31 +158,37 @@ class SparseBundle:
         return indices, values.to(torch.float32)
 
     def close(self, items: dict[str, tuple[object, float]], bounds: tuple[int, int]) -> bytes:
-        out = [struct.pack("<I", len(items))]
-        for sender in sorted(items):
-            (part, _), _ = items[sender]
-            name = sender.encode()
-            out.append(struct.pack("<B", len(name)) + name + struct.pack("<I", len(part)) + part)
-        return b"".join(out)
+        return _bundle((sender.encode(), items[sender][0][0]) for sender in sorted(items))
+
+    def reply_for(self, blob: bytes, recipient: str) -> bytes:
+        """The bundle as sent to ``recipient``: its own part left out (it holds those bytes)."""
+        entries = _entries(blob)
+        if recipient.encode() not in (sender for sender, _ in entries):
+            return blob
+        return _bundle((sender, None if sender == recipient.encode() else part) for sender, part in entries)
+
+    def complete(self, blob: bytes, me: str, own_part: bytes | None) -> bytes:
+        """The whole bundle from a reply: ``own_part`` (what this member sent) where the owner left it out.
+
+        Only this member's own entry may be left out, and only in an owner's reply to its part
+        (``own_part`` given); anything else is a malformed reply.
+        """
+        entries = _entries(blob)
+        mine = me.encode()
+        for sender, part in entries:
+            if part is None and (sender != mine or own_part is None):
+                raise ContributionRejected(f"bundle: part of {sender[:40]!r} left out")
+        if all(part is not None for _, part in entries):
+            return blob
+        return _bundle((sender, own_part if part is None else part) for sender, part in entries)
 
     def finish(self, blob: bytes, bounds: tuple[int, int]) -> torch.Tensor:
         """The shard's aggregate: per parameter, the (clipped) scatter-mean of the contributors."""
-        view, parts = memoryview(blob), []
-        count, pos = _read_u32(view, 0, "bundle")
-        for _ in range(count):
-            if pos >= len(view):
-                raise ContributionRejected("bundle: truncated sender id")
-            size = view[pos]
-            if size > MAX_SENDER_BYTES or pos + 1 + size > len(view):
-                raise ContributionRejected("bundle: bad sender id")
-            pos += 1 + size
-            length, pos = _read_u32(view, pos, "bundle")
-            if pos + length > len(view):
-                raise ContributionRejected("bundle: truncated part")
-            parts.append(self.accept(bytes(view[pos:pos + length]), bounds)[1])
-            pos += length
-        if pos != len(view):
-            raise ContributionRejected("bundle: trailing bytes")
+        parts = []
+        for sender, part in _entries(blob):
+            if part is None:
+                raise ContributionRejected(f"bundle: part of {sender[:40]!r} left out")
+            parts.append(self.accept(part, bounds)[1])
         values = []
         for k, i in enumerate(self._params(bounds)):
             contributions = [part[k] for part in parts]
@@ -180,6 +197,45 @@ class SparseBundle:
 
     def max_reply_bytes(self, bounds: tuple[int, int], members: int) -> int:
         return members * ((bounds[1] - bounds[0]) * 8 + (64 << 10))
+
+
+YOURS = 0xFFFFFFFF  # a bundle entry's length: the recipient's own part, not echoed back to it
+
+
+def _bundle(entries) -> bytes:
+    """``(sender id, part or None)`` pairs → a bundle (None: left out for its recipient)."""
+    out, count = [], 0
+    for sender, part in entries:
+        length = YOURS if part is None else len(part)
+        out.append(struct.pack("<B", len(sender)) + sender + struct.pack("<I", length) + (part or b""))
+        count += 1
+    return struct.pack("<I", count) + b"".join(out)
+
+
+def _entries(blob: bytes) -> list[tuple[bytes, bytes | None]]:
+    """A bundle → its ``(sender id, part or None)`` entries, in order; malformed → ContributionRejected."""
+    view, entries = memoryview(blob), []
+    count, pos = _read_u32(view, 0, "bundle")
+    for _ in range(count):
+        if pos >= len(view):
+            raise ContributionRejected("bundle: truncated sender id")
+        size = view[pos]
+        if size == 0 or size > MAX_SENDER_BYTES or pos + 1 + size > len(view):
+            raise ContributionRejected("bundle: bad sender id")
+        sender = bytes(view[pos + 1:pos + 1 + size])
+        length, pos = _read_u32(view, pos + 1 + size, "bundle")
+        if length == YOURS:
+            entries.append((sender, None))
+            continue
+        if pos + length > len(view):
+            raise ContributionRejected("bundle: truncated part")
+        entries.append((sender, bytes(view[pos:pos + length])))
+        pos += length
+    if pos != len(view):
+        raise ContributionRejected("bundle: trailing bytes")
+    if len({sender for sender, _ in entries}) != len(entries):
+        raise ContributionRejected("bundle: a sender appears twice")
+    return entries
 
 
 def _read_u32(view: memoryview, pos: int, field: str) -> tuple[int, int]:

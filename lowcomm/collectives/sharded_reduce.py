@@ -189,7 +189,7 @@ class ShardedReduce:
         timeout = max(0.1, deadline - time.monotonic() + 0.5)
         call_deadline = time.monotonic() + timeout
         replies = stub.Reduce(self.traffic.sending(chunks(), call_deadline), timeout=timeout)
-        reply = self._read_reply(replies, shard, bounds, len(manifest.members), call_deadline)
+        reply = self._read_reply(replies, shard, bounds, len(manifest.members), call_deadline, own_part=blob)
         # Held at once, not after every other shard: a member whose copy of this shard was lost
         # asks the others for it while they may still wait on slower owners.
         self.slots.hold(key.group, round_, shard, reply.blob, reply.contributors)
@@ -208,7 +208,9 @@ class ShardedReduce:
         self.slots.hold(key.group, round_, shard, reply.blob, reply.contributors)
         return reply
 
-    def _read_reply(self, stream, shard: int, bounds: tuple[int, int], members: int, deadline: float) -> ShardReply:
+    def _read_reply(self, stream, shard: int, bounds: tuple[int, int], members: int, deadline: float,
+                    own_part: bytes | None = None) -> ShardReply:
+        """An owner's or holder's reply → the shard's values; ``own_part``: what this member sent the owner."""
         first, datas = None, []
         for reply in self.traffic.receiving(stream, deadline):
             if first is None:
@@ -220,6 +222,7 @@ class ShardedReduce:
             raise CollectiveError(f"owner of shard {shard} sent no reply")
         blob = assemble(first.total_bytes, datas, self.combiner.max_reply_bytes(bounds, members))
         try:
+            blob = self.combiner.complete(blob, self.me, own_part)  # what is held and served: the whole reply
             values = self.combiner.finish(blob, bounds)
         except ContributionRejected as e:
             raise CollectiveError(f"owner of shard {shard} replied with a bad aggregate: {e}") from None
@@ -295,7 +298,8 @@ class ShardedReduce:
                                        error=str(e))
             return
         blob, contributors = slot.result()
-        yield from self._reply_chunks(blob, contributors, slot.round, slot.shard)
+        reply = self.combiner.reply_for(blob, first.sender)  # sparse bundles: without the sender's own part
+        yield from self._reply_chunks(reply, contributors, slot.round, slot.shard)
 
     @staticmethod
     def _datas(first, requests):
