@@ -14,9 +14,10 @@ whatever subset this run was given, with the grid's cells still missing listed.
 
 Columns: final held-out loss (mean ± std over the seeds done), its gap to ddp's at the same peers
 and seeds, bytes per token (everything the peers' gRPC sent, checkpoints apart), compression vs ddp,
-the payload bound (what the method's payloads alone would give, from the codecs' exact sizes over
-the model's real tensor list: 4·numel bytes per ddp step against one peer's payload per sync over its
-steps per sync) and measured / bound, compute utilization, the shares of the peers' wall time their
+the payload bound (the compression the method's payloads alone would give at its collective's
+physical limit, from the codecs' exact sizes over the model's real tensor list: ddp's reduce of
+4·numel bytes per step, 2(N−1)/N of it per peer, against a reduce's 2(N−1)/N, an all-gather's
+(N−1) or NoLoCo's G−1 copies of one peer's payload per sync, over its steps per sync) and measured / bound, compute utilization, the shares of the peers' wall time their
 training loops spent in their syncs (codec work, network, DHT, bookkeeping) and evaluating the held-out
 set (n/a for cells run before the peers logged them), and wall time. Time to ddp's loss over
 emulated links is measured by experiments/vs_hivemind.py (namespace mode, the same algorithms).
@@ -75,17 +76,32 @@ def payload_per_sync(algo: str) -> tuple[float, int]:
     if algo == "demo":
         codec = config.demo.codec()
         return float(sum(codec.raw_size(s) for s in shapes)), 1
-    if algo == "noloco":  # progress and φ to each of the group's G − 1 others
-        section = config.noloco
-        codec = get_codec(getattr(section, "codec", "fp32"))
-        return 2.0 * codec.raw_size((numel,)) * (section.group_size - 1), section.inner_steps
+    if algo == "noloco":  # progress and φ
+        codec = get_codec(getattr(config.noloco, "codec", "fp32"))
+        return 2.0 * codec.raw_size((numel,)), config.noloco.inner_steps
     raise ValueError(f"no payload bound for {algo!r}")
 
 
-def bound_compression(algo: str) -> float:
-    ddp_bytes, _ = payload_per_sync("ddp")
+def sent_per_step(algo: str, peers: int) -> float:
+    """What one peer must send per inner step at its collective's physical limit (BENCHMARKS.md).
+
+    A reduce of S sends 2(N−1)/N·S per peer (ddp, DiLoCo, Streaming DiLoCo); an all-gather of
+    per-peer payloads S sends (N−1)·S (SparseLoCo, DeMo: sparse payloads are not reduced);
+    NoLoCo sends its payload to each of the group's G − 1 others.
+    """
     payload, steps = payload_per_sync(algo)
-    return ddp_bytes / (payload / steps)
+    if algo in ("sparseloco", "demo"):
+        fan_out = peers - 1
+    elif algo == "noloco":
+        fan_out = default_config().noloco.group_size - 1
+    else:
+        fan_out = 2 * (peers - 1) / peers
+    return fan_out * payload / steps
+
+
+def bound_compression(algo: str, peers: int) -> float:
+    """ddp's bytes over the method's, both at their collectives' limits: the best compression possible."""
+    return sent_per_step("ddp", peers) / sent_per_step(algo, peers)
 
 
 # ---- cells --------------------------------------------------------------------------------------
@@ -152,16 +168,21 @@ def table(results: dict[tuple, dict], missing: list[tuple]) -> str:
         ddp = groups.get(("ddp", steps, peers), {})
         seeds = sorted(by_seed)
         gaps = [by_seed[s]["final_loss"] / ddp[s]["final_loss"] - 1 for s in seeds if s in ddp]
-        bpt = statistics.mean(by_seed[s]["bytes_per_token"] for s in seeds)
+        per_seed = [by_seed[s]["bytes_per_token"] for s in seeds]
         ddp_bpt = statistics.mean(ddp[s]["bytes_per_token"] for s in ddp) if ddp else None
-        comp = ddp_bpt / bpt if ddp_bpt else None
-        algo = VARIANTS[variant][0]
-        bound = bound_compression(algo)
+        bound = bound_compression(VARIANTS[variant][0], peers)
+        # Seeds run before and after a change of the collective's bytes (sparse bundles stopped
+        # echoing a member's own part) get a figure each, not a mean of two protocols.
+        split = max(per_seed) > 1.05 * min(per_seed)
+        figures = per_seed if split else [statistics.mean(per_seed)]
+        bpt_text = " / ".join(f"{b:.1f}" for b in figures)
+        comp_text = " / ".join(f"{ddp_bpt / b:.0f}x" for b in figures) if ddp_bpt else "n/a"
+        ratio_text = " / ".join(f"{ddp_bpt / b / bound:.2f}" for b in figures) if ddp_bpt else "n/a"
         lines.append(
             f"| {variant} | {peers} | {','.join(map(str, seeds))} | "
             f"{_mean_std([by_seed[s]['final_loss'] for s in seeds], '.4f')} | "
-            f"{_mean_std([100 * g for g in gaps], '+.1f') + '%' if gaps and variant != 'ddp' else ''} | {bpt:.1f} | "
-            f"{f'{comp:.0f}x' if comp else 'n/a'} | {bound:.0f}x | {f'{comp / bound:.2f}' if comp else 'n/a'} | "
+            f"{_mean_std([100 * g for g in gaps], '+.1f') + '%' if gaps and variant != 'ddp' else ''} | {bpt_text} | "
+            f"{comp_text} | {bound:.0f}x | {ratio_text} | "
             f"{_mean_std([by_seed[s]['compute_utilization'] for s in seeds], '.2f')} | "
             f"{_shares(by_seed, seeds, 'sync_wait_share')} | {_shares(by_seed, seeds, 'eval_share')} | "
             f"{statistics.mean(by_seed[s]['wall_s'] for s in seeds):.0f} |")
