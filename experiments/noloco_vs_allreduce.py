@@ -74,6 +74,9 @@ def compare(allreduce: dict | None, pairs: dict | None, peers: int, size_mb: int
             continue
         row[name] = {"transfer_s": steady(slowest_transfer_s(cell)), "round_s": cell["steady_round_s"],
                      "mb_sent_per_peer": cell["mb_sent_per_peer"], "correct": cell["correct"],
+                     "wrong_rounds": [r["round"] for r in cell["per_round"] if not r["correct"]],
+                     "control_mb_per_peer": steady([statistics.mean(w["control_tx"] for w in r["wire"]) / MB
+                                                    for r in cell["per_round"]]),
                      "rounds": cell["rounds"], "bound_s": cell["bound_s"]}
     if "error" not in row["allreduce"] and "error" not in row["pairs"]:
         a, p = row["allreduce"], row["pairs"]
@@ -85,7 +88,7 @@ def compare(allreduce: dict | None, pairs: dict | None, peers: int, size_mb: int
 
 COLUMNS = ["N", "S MB", "all-reduce exchange s", "pairs exchange s", "speedup", "ideal 2(N−1)/N", "target (0.8×)",
            "met?", "all-reduce round s", "pairs round s", "round speedup", "MB sent/peer (all-reduce / pairs)",
-           "correct?"]
+           "of which DHT", "correct?"]
 
 
 def table_row(r: dict) -> list[str]:
@@ -98,16 +101,26 @@ def table_row(r: dict) -> list[str]:
                    f"{r['ideal_speedup']:.2f}", f"{r['target_speedup']:.2f}", "yes" if r["target_met"] else "NO",
                    f"{a['round_s']:.2f}", f"{p['round_s']:.2f}", f"{r['speedup_round']:.2f}",
                    f"{a['mb_sent_per_peer']:.1f} / {p['mb_sent_per_peer']:.1f}",
-                   "yes" if a["correct"] and p["correct"] else "NO"]
+                   f"{a['control_mb_per_peer']:.1f} / {p['control_mb_per_peer']:.1f}",
+                   _correct(a, p)]
+
+
+def _correct(a: dict, p: dict) -> str:
+    """"yes", or which rounds of which system gave a worker a result that is not its group's mean."""
+    wrong = [f"{name} round {', '.join(map(str, x.get('wrong_rounds', [])))}"
+             for name, x in (("all-reduce", a), ("pairs", p)) if not x["correct"]]
+    return "yes" if not wrong else "NO: " + "; ".join(wrong)
 
 
 NOTES = """\
 Exchange: after the round's manifest, the slowest worker of the round, mean over rounds ≥ 1 (round 0 sets up
 connections). Round: barrier release to the last worker holding its result, the DHT announce + manifest included
 (both systems pay it alike). Speedup: all-reduce over pairs. MB sent/peer: the node's wire bytes (Ethernet frames,
-TCP/IP headers, ACKs, DHT) per round. Correct: every worker's result equals the mean of its group's inputs (all
-N for the all-reduce, its pair for NoLoCo) within 1e-5. S is what a peer contributes; for one model of M bytes
-NoLoCo's contribution (progress and φ) is 2M, DiLoCo's Δ is M. The host has 2 cores shared with other jobs.
+TCP/IP headers, ACKs, DHT) per round; of which DHT: the control plane's share (its own subnet, under the same cap).
+Correct: every worker's result equals the mean of its group's inputs (all N for the all-reduce, its pair for
+NoLoCo) within 1e-5; the rounds where some worker's is not are named (a reduce that passes its deadline excludes
+the late members and applies no update to a shard nobody received, by design). S is what a peer contributes; for
+one model of M bytes NoLoCo's contribution (progress and φ) is 2M, DiLoCo's Δ is M. The host has 2 cores.
 """
 
 
