@@ -222,8 +222,8 @@ def table(rows: dict, peers: int) -> str:
                     vs_h = "hivemind did not reach it"
             util = r["compute_s"] / (r["peers"] * r["wall_s"]) if r["wall_s"] else None
             lines.append(f"| {rate} Mbit/s | {r['system']} | {r['steps']} | {r['final_loss']:.4f} | "
-                         f"{_fmt(hit['time_s'], '.0f')} | {_fmt(hit['bytes'] and hit['bytes'] / 1e6, '.1f', 'n/a')} MB | "
-                         f"{_fmt(speed, '.2f', 'n/a')}x | {vs_h} | {r['wire_bytes'] / r['tokens']:.1f} | {_split(r)} | "
+                         f"{_fmt(hit['time_s'], '.0f')} | {_unit(hit['bytes'] and hit['bytes'] / 1e6, '.1f', ' MB')} | "
+                         f"{_unit(speed, '.2f', 'x')} | {vs_h} | {r['wire_bytes'] / r['tokens']:.1f} | {_split(r)} | "
                          f"{_fmt(util, '.2f', 'n/a')} | {r['wall_s']:.0f} |")
         if ddp:
             per_step = ddp["wall_s"] / ddp["steps"]
@@ -233,6 +233,10 @@ def table(rows: dict, peers: int) -> str:
                          f"{compute:.3f} s compute per peer: ceiling (t_compute + t_ddp_sync) / t_compute = "
                          f"{ceiling:.1f}x, 0.8 x ceiling = {0.8 * ceiling:.1f}x.")
     return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"
+
+
+def _unit(value: float | None, spec: str, unit: str) -> str:
+    return "n/a" if value is None else f"{value:{spec}}{unit}"
 
 
 def plot(rows: dict, out: Path) -> list[Path]:
