@@ -24,25 +24,7 @@ from lowcomm.config import SyncConfig
 from lowcomm.transport.control import ControlPlane, PeerRecord
 
 logger = logging.getLogger(__name__)
-# Every poll is a DHT read (latest=True) that the nodes holding the key answer with the whole
-# record set: at 16 peers, polling every 50 ms for a whole agreement cost megabytes per peer and
-# round on the control plane. So a wait polls fast at first (an agreement that is nearly done
-# ends at once), then backs off, and reads who is due (the peers' records, which change with
-# heartbeats, not with announces) at most every LIVE_PEERS_EVERY_S.
 POLL_S = 0.05
-POLL_MAX_S = 0.4
-LIVE_PEERS_EVERY_S = 1.0
-
-
-class _Poll:
-    """Sleeps between the polls of one wait: POLL_S, growing 1.5x per poll up to POLL_MAX_S."""
-
-    def __init__(self):
-        self.delay = POLL_S
-
-    def wait(self) -> None:
-        time.sleep(self.delay)
-        self.delay = min(POLL_MAX_S, self.delay * 1.5)
 
 
 @dataclass
@@ -118,7 +100,6 @@ class ManifestAgreement:
         order = sorted(announcers)
         published = False
         started = time.monotonic()
-        poll = _Poll()
         while True:
             manifests = self.control.manifests(group, round_)
             if manifests:
@@ -130,17 +111,14 @@ class ManifestAgreement:
                 announcers = self.control.announcers(group, round_) or announcers
                 self._publish(group, round_, epoch_rounds, codec, announcers, ttl)
                 published = True
-            poll.wait()
+            time.sleep(POLL_S)
 
     def _gather(self, group: str, round_: int, suspects: frozenset[str]) -> dict[str, dict]:
         """Announcers, once every live peer due in this round has announced or `announce_s` passed."""
         deadline = time.monotonic() + self.sync.announce_s
-        poll, records, read_at = _Poll(), {}, None
         while True:
             announcers = self.control.announcers(group, round_)
-            if read_at is None or time.monotonic() - read_at >= LIVE_PEERS_EVERY_S:
-                records, read_at = self.control.live_peers(), time.monotonic()
-            due = {p for p, rec in records.items()
+            due = {p for p, rec in self.control.live_peers().items()
                    if rec.state in ("training", "joining") and rec.round <= round_ and p not in suspects
                    and self.due_in_group(group, rec)}
             if (due | {self.me}) <= set(announcers) or time.monotonic() >= deadline:
@@ -149,7 +127,7 @@ class ManifestAgreement:
                     self.on_event("timeout", round=round_, stage="announce", missing=sorted(missing))
                 announcers.setdefault(self.me, {"endpoint": self.endpoint, "client_mode": self.client_mode})
                 return announcers
-            poll.wait()
+            time.sleep(POLL_S)
 
     def _publish(self, group, round_, epoch_rounds, codec, announcers, ttl) -> None:
         members = sorted(p for p, v in announcers.items() if isinstance(v.get("endpoint"), str))
