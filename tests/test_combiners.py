@@ -112,3 +112,24 @@ def test_dense_mean_weights_by_tokens():
     items = {"a": (torch.tensor([1.0, 2, 3, 4]), 1.0), "b": (torch.tensor([5.0, 6, 7, 8]), 3.0)}
     assert mean.finish(mean.close(items, bounds), bounds).tolist() == [4.0, 5.0, 6.0, 7.0]
     assert mean.finish(mean.close({}, bounds), bounds).tolist() == [0.0] * 4
+
+
+def test_an_owner_a_round_ahead_still_takes_the_round_below_and_refuses_older_ones():
+    """Overlap: round t+1's slot may open before round t's; t's parts wait for their slot."""
+    import threading
+
+    from lowcomm.collectives.reduce_owner import OwnerSlots, Slot
+
+    def slot(round_: int) -> Slot:
+        return Slot("g", round_, 0, frozenset({"a"}), (0, 4), DenseMean("fp32", 0), deadline=1e12)
+
+    slots = OwnerSlots()
+    slots.open(slot(4))
+    with pytest.raises(ContributionRejected, match="stale round 2"):
+        slots.wait_slot("g", 2, timeout=5.0)  # two rounds behind: refused at once
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(slots.wait_slot("g", 3, timeout=30.0)))
+    waiter.start()
+    opened = slots.open(slot(3))
+    waiter.join(timeout=30.0)
+    assert got == [opened] and opened.round == 3

@@ -3,7 +3,9 @@
 An owner opens a slot for (group, round) when it starts that round. Contributions that arrive
 before the slot opens wait for it (within their own deadline); contributions for a round the owner
 has left behind are refused as stale; a second contribution from the same sender is refused as a
-replay. The slot closes when every member has contributed or its deadline passes; the reduced
+replay. "Left behind" is two rounds below the newest slot: with the one-step-delay overlap a peer
+runs round t's reduce in the background while round t+1's starts, and either may open its slot
+first, so round t's parts wait for their slot even after round t+1's opened. The slot closes when every member has contributed or its deadline passes; the reduced
 shard is encoded once and the same bytes go to every caller, so every replica applies identical
 values. Every received shard (own or others') is kept for one round so holes can be filled.
 """
@@ -102,7 +104,7 @@ class OwnerSlots:
         deadline = time.monotonic() + timeout
         with self._cond:
             while (group, round_) not in self._slots:
-                if self._newest.get(group, -1) > round_:
+                if self._newest.get(group, -1) > round_ + 1:
                     raise ContributionRejected(f"stale round {round_}: this owner is at round {self._newest[group]}")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
