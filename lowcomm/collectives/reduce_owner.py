@@ -1,13 +1,14 @@
 """The owner's side of the sharded reduce: collect contributions for my shard, reduce, reply encoded.
 
-An owner opens a slot for (group, round) when it starts that round. Contributions that arrive
-before the slot opens wait for it (within their own deadline); contributions for a round the owner
-has left behind are refused as stale; a second contribution from the same sender is refused as a
-replay. "Left behind" is two rounds below the newest slot: with the one-step-delay overlap a peer
-runs round t's reduce in the background while round t+1's starts, and either may open its slot
-first, so round t's parts wait for their slot even after round t+1's opened. The slot closes when every member has contributed or its deadline passes; the reduced
-shard is encoded once and the same bytes go to every caller, so every replica applies identical
-values. Every received shard (own or others') is kept for one round so holes can be filled.
+An owner opens a slot for (group, round) when it starts that round. Contributions that arrive before
+the slot opens wait for it (within their own deadline); contributions for a round the owner has left
+behind are refused as stale; a second contribution from the same sender is refused as a replay.
+"Left behind" is two rounds below the newest slot: with the one-step-delay overlap a peer runs round
+t's reduce in the background while round t+1's starts, and either may open its slot first, so round
+t's parts wait for their slot even after round t+1's opened. The slot closes when every member has
+contributed or its deadline passes; the reduced shard is encoded once and the same bytes go to every
+caller, so every replica applies identical values. Every received shard (own or others') is kept for
+one round so holes can be filled.
 """
 
 from __future__ import annotations
