@@ -16,11 +16,12 @@ Columns: final held-out loss (mean ± std over the seeds done), its gap to ddp's
 and seeds, bytes per token (everything the peers' gRPC sent, checkpoints apart), compression vs ddp,
 the payload bound (the compression the method's payloads alone would give at its collective's
 physical limit, from the codecs' exact sizes over the model's real tensor list: ddp's reduce of
-4·numel bytes per step, 2(N−1)/N of it per peer, against a reduce's 2(N−1)/N, an all-gather's
-(N−1) or NoLoCo's G−1 copies of one peer's payload per sync, over its steps per sync) and measured / bound, compute utilization, the shares of the peers' wall time their
-training loops spent in their syncs (codec work, network, DHT, bookkeeping) and evaluating the held-out
-set (n/a for cells run before the peers logged them), and wall time. Time to ddp's loss over
-emulated links is measured by experiments/vs_hivemind.py (namespace mode, the same algorithms).
+4·numel bytes per step, 2(N−1)/N of it per peer, against a reduce's 2(N−1)/N, an all-gather's (N−1)
+or NoLoCo's G−1 copies of one peer's payload per sync, over its steps per sync) and measured /
+bound, compute utilization, the shares of the peers' wall time their training loops spent in their
+syncs (codec work, network, DHT, bookkeeping) and evaluating the held-out set (n/a for cells run
+before the peers logged them), and wall time. Time to ddp's loss over emulated links is measured by
+experiments/vs_hivemind.py (namespace mode, the same algorithms).
 """
 
 from __future__ import annotations

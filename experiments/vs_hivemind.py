@@ -189,8 +189,8 @@ def to_target(row: dict, target: float) -> dict:
     return {"time_s": hit["t"], "bytes": None if sent is None else sent - start, "tokens": hit["tokens"]}
 
 
-def _fmt(x, spec: str, none: str = "not reached") -> str:
-    return none if x is None else format(x, spec)
+def _fmt(x, spec: str, none: str = "not reached", unit: str = "") -> str:
+    return none if x is None else format(x, spec) + unit
 
 
 def _split(row: dict) -> str:
@@ -222,8 +222,8 @@ def table(rows: dict, peers: int) -> str:
                     vs_h = "hivemind did not reach it"
             util = r["compute_s"] / (r["peers"] * r["wall_s"]) if r["wall_s"] else None
             lines.append(f"| {rate} Mbit/s | {r['system']} | {r['steps']} | {r['final_loss']:.4f} | "
-                         f"{_fmt(hit['time_s'], '.0f')} | {_unit(hit['bytes'] and hit['bytes'] / 1e6, '.1f', ' MB')} | "
-                         f"{_unit(speed, '.2f', 'x')} | {vs_h} | {r['wire_bytes'] / r['tokens']:.1f} | {_split(r)} | "
+                         f"{_fmt(hit['time_s'], '.0f')} | {_fmt(hit['bytes'] and hit['bytes'] / 1e6, '.1f', 'n/a', ' MB')} | "
+                         f"{_fmt(speed, '.2f', 'n/a', 'x')} | {vs_h} | {r['wire_bytes'] / r['tokens']:.1f} | {_split(r)} | "
                          f"{_fmt(util, '.2f', 'n/a')} | {r['wall_s']:.0f} |")
         if ddp:
             per_step = ddp["wall_s"] / ddp["steps"]
@@ -233,10 +233,6 @@ def table(rows: dict, peers: int) -> str:
                          f"{compute:.3f} s compute per peer: ceiling (t_compute + t_ddp_sync) / t_compute = "
                          f"{ceiling:.1f}x, 0.8 x ceiling = {0.8 * ceiling:.1f}x.")
     return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"
-
-
-def _unit(value: float | None, spec: str, unit: str) -> str:
-    return "n/a" if value is None else f"{value:{spec}}{unit}"
 
 
 def plot(rows: dict, out: Path) -> list[Path]:
@@ -271,7 +267,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     load_config(args.config)  # a bad config fails here, before any namespace
     cells = [(s, r) for r in args.rates for s in ["ddp"] + [s for s in args.systems if s != "ddp"]]
-    rows, started, ran = {}, time.time(), 0
+    started, ran = time.time(), 0
     for i, (system, rate) in enumerate(cells):
         steps = args.ddp_steps if system == "ddp" else 2 * args.ddp_steps
         name = row_name(system, rate, steps, args.peers)
@@ -291,19 +287,18 @@ def main() -> None:
             print(f"[{i + 1}/{len(cells)}] {name}: loss {row['final_loss']:.4f}, {time.time() - t0:.0f}s; "
                   f"ETA {eta / 60:.0f} min for {left} rows", flush=True)
         if path.exists():
-            rows[name] = json.loads(path.read_text())
-            report = args.out / rows[name].get("report", "-")
-            if system != "hivemind" and "control_bytes" not in rows[name] and report.exists():
-                rows[name] = lowcomm_row(args.out, report, system, rate, steps, args.peers)  # rows from before the split
-                path.write_text(json.dumps(rows[name], indent=1))
-        write_outputs(args.out, rows, args.peers)
-    print(write_outputs(args.out, rows, args.peers))
+            row = json.loads(path.read_text())
+            report = args.out / row.get("report", "-")
+            if system != "hivemind" and "control_bytes" not in row and report.exists():
+                row = lowcomm_row(args.out, report, system, rate, steps, args.peers)  # rows from before the split
+                path.write_text(json.dumps(row, indent=1))
+        write_outputs(args.out, args.peers)
+    print(write_outputs(args.out, args.peers))
 
 
-def write_outputs(out: Path, rows: dict, peers: int) -> str:
-    """table.md, results.json and the plots from these rows and every other row already in OUT."""
+def write_outputs(out: Path, peers: int) -> str:
+    """table.md, results.json and the plots from every row under OUT (this run's and earlier ones)."""
     every = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob(f"*-p{peers}.json"))}
-    every.update(rows)
     text = table(every, peers)
     (out / "table.md").write_text(text)
     (out / "results.json").write_text(json.dumps(every, indent=1))
