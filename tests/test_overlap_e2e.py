@@ -88,3 +88,12 @@ def test_a_joiner_fetches_the_round_in_flight_and_holds_the_members_phi(scenario
     for r in own:  # from then on it holds the members' φ after every round
         assert len({x["phi_hash"] for x in rounds_of(records)[r["round"]]}) == 1
     assert any(joiner in r["contributors"] for r in own[1:])
+
+
+def test_a_landed_round_is_charged_the_bytes_its_background_reduce_sent(scenario):
+    """A round's reduce runs during the next round's inner steps: its record counts what was sent since
+    the previous landing, so a peer's rounds add up to nearly all it sent (the loss-vs-bytes curves)."""
+    records = scenario["records"]
+    for exit_ in events(records, "exit"):
+        own = [r["bytes"] for r in records if r["type"] == "round" and r["peer"] == exit_["peer"]]
+        assert exit_["bytes_sent"] > 0 and sum(own) >= 0.8 * exit_["bytes_sent"], (exit_["peer"], own)

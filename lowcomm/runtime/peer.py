@@ -109,6 +109,9 @@ class Peer:
         # wall seconds the training loop spent outside compute: in its syncs (codec work, the network,
         # the DHT, bookkeeping) and in the held-out evaluations it runs
         self.loop_s = {"sync": 0.0, "eval": 0.0}
+        # the overlap: traffic.sent when a round last landed; the next landing is charged everything sent
+        # since, since a round's reduce runs in the background during the next round's inner steps
+        self._landed_bytes_mark: int | None = None
 
     # ---- join -------------------------------------------------------------------------------
 
@@ -428,7 +431,7 @@ class Peer:
         bytes_before, t0 = self.traffic.sent, time.time()
         weight = self.trainer.tokens_per_step * (1 if is_ddp else self.rounds_per_sync)
         if self.config.overlap:
-            return self._overlapped_sync(round_, weight, t0, bytes_before)
+            return self._overlapped_sync(round_, weight, t0)
         result = self._await_round(round_, lambda timeout: self.algo.sync(round_, weight, timeout=timeout))
         if result is None:
             return False
@@ -436,7 +439,7 @@ class Peer:
                          bytes_sent=self.traffic.sent - bytes_before)
         return True
 
-    def _overlapped_sync(self, round_: int, weight: float, t0: float, bytes_before: int) -> bool:
+    def _overlapped_sync(self, round_: int, weight: float, t0: float) -> bool:
         """One-step-delay overlap: start round_'s reduce; the previous round's aggregate lands now.
 
         Its record is written now, one round after it started (none at the first round); at the last
@@ -445,6 +448,8 @@ class Peer:
         round_'s aggregate at its first sync (Overlapped.enter).
         """
         timeout = self._round_timeout()
+        if self._landed_bytes_mark is None:
+            self._landed_bytes_mark = self.traffic.sent
         try:
             landed = [self.algo.sync(round_, weight, timeout=timeout)]
             if self.step >= self.config.run.steps:
@@ -452,7 +457,7 @@ class Peer:
         except (CollectiveError, TimeoutError) as e:  # a late round was caught up inside; this is worse
             self._resync(f"round {round_ - 1}: {e}")
             return False
-        self._land(landed, weight, t0, bytes_before)
+        self._land(landed, weight, t0)
         self.round = self.record.round = round_ + 1
         self._publish_round()
         if self.round < self.config.total_rounds and not self._fault_at("late-announce", self.round):
@@ -463,27 +468,33 @@ class Peer:
 
     def _drain_overlap(self) -> None:
         """The end of an overlapped run whose steps are not a multiple of H: the last round lands."""
-        t0, bytes_before = time.time(), self.traffic.sent
+        t0 = time.time()
         try:
             landed = self.algo.drain(self._round_timeout())
         except (CollectiveError, TimeoutError) as e:  # the final φ misses that round: say so, θ ← φ anyway
             self.log.event("round_dropped", round=self.round - 1, reason=str(e)[:200])
             self.algo.inner.load_phi_into_model()
             landed = None
-        self._land([landed], self.trainer.tokens_per_step * self.rounds_per_sync, t0, bytes_before)
+        self._land([landed], self.trainer.tokens_per_step * self.rounds_per_sync, t0)
         self._publish_round()
         self._pending_eval = self._pending_eval or (0, False)
         self._maybe_evaluate(*self._pending_eval)
 
-    def _land(self, landed: list, weight: float, t0: float, bytes_before: int) -> None:
-        """Records the rounds whose aggregates the overlap applied just now (None: nothing landed)."""
+    def _land(self, landed: list, weight: float, t0: float) -> None:
+        """Records the rounds whose aggregates the overlap applied just now (None: nothing landed).
+
+        A round's bytes are everything sent since the previous landing: its reduce ran in the background.
+        """
         for result in filter(None, landed):
+            sent = self.traffic.sent
+            mark = sent if self._landed_bytes_mark is None else self._landed_bytes_mark
+            self._landed_bytes_mark = sent
             self._round_done(result.info["round"], result, weight, t0, sync_s=time.time() - t0,
-                             bytes_sent=self.traffic.sent - bytes_before, publish=False,
+                             bytes_sent=sent - mark, publish=False,
                              caught_up=bool(result.info.get("caught_up")))
             if result.info.get("caught_up"):
                 self.log.event("caught_up", round=result.info["round"], contributors=len(result.contributors))
-            t0, bytes_before = time.time(), self.traffic.sent
+            t0 = time.time()
 
     def _round_timeout(self) -> float:
         sync = self.config.sync
