@@ -75,6 +75,7 @@ class PeerOptions:
     run_dir: Path | None = None
     fault: str | None = None  # test hooks: "stall-sync@R" blocks inside round R's reduce (or exchange),
     # "late-announce@R" announces round R only after its manifest was written without this peer;
+    # "drift-phi@R" moves every φ value by 1e-3 after round R (the drift check's tests);
     # "@R+" instead of "@R": every round from R on, so a stall comes in the first round from R this
     # peer is a member of (one left out of round R on a loaded machine never reaches R's reduce)
     start_file: Path | None = None  # simulate's start barrier: train once this file exists
@@ -96,6 +97,23 @@ class OpenRound:
     bytes_before: int
 
 
+def drift_sources(hashes: dict[str, str], me: str) -> list[str] | None:
+    """The peers to resync from when my φ hash of a round is not the agreed one; None when it is.
+
+    The agreed hash is the one most of the (at least 3) peers published. A tie goes to the hash the
+    smallest peer id holds, so every peer that reads the same hashes settles a split the same way:
+    without it a 2-2 split had no majority to follow and stayed split for the rest of the run.
+    """
+    if len(hashes) < 3 or me not in hashes:
+        return None
+    votes = Counter(hashes.values())
+    most = max(votes.values())
+    agreed = hashes[min(p for p, h in hashes.items() if votes[h] == most)]
+    if hashes[me] == agreed:
+        return None
+    return sorted(p for p, h in hashes.items() if h == agreed)
+
+
 class Peer:
     def __init__(self, options: PeerOptions):
         self.options = options
@@ -112,6 +130,7 @@ class Peer:
         # the overlap: traffic.sent when a round last landed; the next landing is charged everything sent
         # since, since a round's reduce runs in the background during the next round's inner steps
         self._landed_bytes_mark: int | None = None
+        self._last_members: frozenset[str] = frozenset()  # of the last round applied: the drift check
 
     # ---- join -------------------------------------------------------------------------------
 
@@ -221,8 +240,9 @@ class Peer:
             return (completed // epoch + 1) * epoch
         return completed + 1
 
-    def _fetch_state(self, min_round: int | None = None) -> bool:
-        """Downloads the global state from the peer with the newest round; False if there is none."""
+    def _fetch_state(self, min_round: int | None = None, prefer: list[str] | None = None) -> bool:
+        """Downloads the global state from the peer with the newest round (of `prefer` where one of them
+        is training); False if there is none."""
         deadline = time.monotonic() + 600
         empty_since = None
         while time.monotonic() < deadline and not self.stop_requested.is_set():
@@ -244,6 +264,7 @@ class Peer:
             empty_since = None
             if trainers and max(r.round for r in trainers) == 0 and not min_round:
                 return False  # the run is in its first round: start from the shared seeded φ_0 and join it
+            trainers = [r for r in trainers if r.peer_id in (prefer or ())] or trainers
             if trainers:
                 newest = max(r.round for r in trainers)
                 target = max(min_round or 0, self._round_boundary_for(newest))
@@ -264,6 +285,7 @@ class Peer:
                 self.log.event("state_error", source=source.peer_id, error=str(e)[:200])
                 continue
             self.algo.load_state_tensors(tensors)
+            self._last_members = frozenset()
             self.round, self.tokens_global = int(state.round), int(state.tokens)
             self.step = self.config.step_after_rounds(self.round)
             self.open_round = None  # a streaming round begun before this state is void
@@ -309,7 +331,8 @@ class Peer:
         self.log.event("caught_up", round=round_, contributors=len(result.contributors))
         return result
 
-    def _resync(self, reason: str) -> None:
+    def _resync(self, reason: str, sources: list[str] | None = None) -> None:
+        """Drops this peer's state for a newer one; `sources`: the peers to take it from where they can."""
         self.log.event("resync", round=self.round, reason=reason[:200])
         if self._round_boundary_for(self.round) >= self.config.total_rounds:
             # the run ends before the next boundary: nothing left to join, stop as done
@@ -317,7 +340,7 @@ class Peer:
             self.log.event("late_at_end", round=self.round)
             self._pending_eval = self._pending_eval or (0, False)  # its final evaluation is still due
             return
-        if not self._fetch_state(min_round=self.round + 1):
+        if not self._fetch_state(min_round=self.round + 1, prefer=sources):
             if self.stop_requested.is_set():
                 return
             if not any(r.state == "training" for r in self.control.live_peers().values()):
@@ -329,18 +352,26 @@ class Peer:
             raise RuntimeError("no peer to resync from; leaving the run")
 
     def _drift_check(self, round_: int) -> bool:
-        """A peer whose φ hash disagrees with the majority of round `round_` resyncs from the majority.
+        """A peer whose φ hash of round `round_` is not the agreed one (`drift_sources`) resyncs from a
+        peer that holds it. The verdict waits (up to announce_s) for the hash of every member of the
+        last round this peer applied, and without them all is left to the next check: a verdict on part
+        of the hashes could follow a minority.
 
         True when it resynced: the caller's round is then behind this peer and must not run.
         """
+        deadline = time.monotonic() + self.config.sync.announce_s
         hashes = self.control.phi_hashes(self.key.group, round_)
-        if len(hashes) < 3 or self.me not in hashes:
+        while not self._last_members <= hashes.keys() and time.monotonic() < deadline:
+            if self.stop_requested.wait(0.2):
+                return False
+            hashes = self.control.phi_hashes(self.key.group, round_)
+        if not self._last_members <= hashes.keys():
             return False
-        majority, votes = Counter(hashes.values()).most_common(1)[0]
-        if hashes[self.me] != majority and votes > len(hashes) / 2:
-            self._resync(f"φ hash of round {round_} disagrees with {votes} of {len(hashes)} peers")
-            return True
-        return False
+        sources = drift_sources(hashes, self.me)
+        if sources is None:
+            return False
+        self._resync(f"φ hash of round {round_} disagrees with {len(sources)} of {len(hashes)} peers", sources)
+        return True
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -513,6 +544,8 @@ class Peer:
     def _round_done(self, round_: int, result: RoundResult, weight: float, t0: float, sync_s: float,
                     bytes_sent: int, publish: bool = True, **extra) -> None:
         """Bookkeeping of an applied round: counters, φ hash, snapshot, the round record, the eval due."""
+        self._drift_fault_hook(round_)
+        self._last_members = frozenset(result.participants)
         self.round = round_ + 1
         # NoLoCo: every member of the round trained, though only the group's tokens are in this update
         tokens = weight * result.info.get("trained_members", len(result.contributors))
@@ -618,6 +651,14 @@ class Peer:
         if self._fault_at("stall-sync", round_):
             self.log.event("fault_stall", round=round_)
             threading.Event().wait()  # the test kills this process group now
+
+    def _drift_fault_hook(self, round_: int) -> None:
+        """Fault injection: every φ value drifts by 1e-3 after round `round_` (peers given the same fault
+        drift alike, so tests can split the replicas' φ hashes at will)."""
+        if self._fault_at("drift-phi", round_):
+            tensors = {k: v + 1e-3 if k.startswith("phi.") else v.clone() for k, v in self.algo.state_tensors().items()}
+            self.algo.load_state_tensors(tensors)
+            self.log.event("fault_drift", round=round_)
 
     def _late_announce_hook(self, round_: int) -> None:
         """Test hook "late-announce@R": announce round R only once its manifest exists without us."""

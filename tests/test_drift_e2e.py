@@ -1,0 +1,64 @@
+"""The φ drift check end to end: replicas whose φ drifted apart (a fault hook) resync from the agreed
+φ, by majority, and by the smallest peer id when the split is a tie; unit cases of the rule."""
+
+from __future__ import annotations
+
+import pytest
+from children import events, rounds_of
+
+from lowcomm.config import default_config
+from lowcomm.runtime.peer import drift_sources
+from lowcomm.runtime.sim import Simulation
+
+H, ROUNDS, TIE_AT, ALONE_AT = 5, 10, 2, 6  # peers 2 and 3 drift after TIE_AT, peer 1 after ALONE_AT
+
+
+def test_the_agreed_hash_is_the_majority_and_a_tie_goes_to_the_smallest_peer_id():
+    assert drift_sources({"a": "x", "b": "x", "c": "x", "d": "y"}, "d") == ["a", "b", "c"]
+    assert drift_sources({"a": "x", "b": "x", "c": "x", "d": "y"}, "a") is None
+    assert drift_sources({"a": "y", "b": "x", "c": "x", "d": "y"}, "b") == ["a", "d"]  # 2-2: a holds y
+    assert drift_sources({"a": "y", "b": "x", "c": "x", "d": "y"}, "d") is None
+    assert drift_sources({"a": "z", "b": "x", "c": "x", "d": "y"}, "a") == ["b", "c"]  # 2-1-1: no tie
+    assert drift_sources({"c": "z", "b": "x", "a": "y"}, "b") == ["a"]  # 1-1-1
+    assert drift_sources({"a": "x", "b": "y"}, "b") is None  # two peers: nobody to tell who is right
+    assert drift_sources({"a": "x", "b": "y", "c": "y"}, "d") is None  # mine not published
+
+
+@pytest.mark.integration
+def test_drifted_replicas_resync_to_one_phi_after_a_tie_and_after_a_lone_drift(tmp_path):
+    config = default_config().override({
+        "run.algo": "diloco", "run.steps": H * ROUNDS, "diloco.inner_steps": H,
+        "data.eval_every_tokens": 10 ** 9, "sync.reduce_timeout_s": 8.0, "sync.announce_s": 3.0,
+        "sync.manifest_s": 3.0})
+    sim = Simulation(config, 4, tmp_path / "run", progress=False)
+    faults = {1: f"drift-phi@{ALONE_AT}", 2: f"drift-phi@{TIE_AT}", 3: f"drift-phi@{TIE_AT}"}
+    try:
+        sim.start_coordinator()
+        peers = [sim.start_peer(i, fault=faults.get(i)) for i in range(4)]
+        sim.release(peers)
+        sim.wait_peers(peers, timeout=900)
+        exit_codes = [p.popen.returncode for p in peers]
+    finally:
+        leftovers = sim.stop_all()
+    assert exit_codes == [0, 0, 0, 0] and leftovers == []
+    records = sim.records()
+    ids = {e["data_shard"]: e["peer"] for e in events(records, "start")}
+    assert sorted(e["peer"] for e in events(records, "fault_drift")) == sorted(ids[i] for i in faults)
+
+    # The tie: {0, 1} against {2, 3}; the side holding the smallest id stays, the other resyncs from it.
+    winners = {ids[0], ids[1]} if min(ids.values()) in (ids[0], ids[1]) else {ids[2], ids[3]}
+    resyncs = [e for e in events(records, "resync") if "disagrees" in e.get("reason", "")]
+    at_tie = [e for e in resyncs if e["round"] == TIE_AT + 1]
+    assert sorted(e["peer"] for e in at_tie) == sorted(set(ids.values()) - winners), resyncs
+    for e in at_tie:  # from a peer of the agreed side
+        assert events(records, "state_received", e["peer"])[0]["source"] in winners
+    # The lone drift: peer 1 against three.
+    assert [e["peer"] for e in resyncs if e["round"] == ALONE_AT + 1] == [ids[1]]
+    assert len(resyncs) == len(at_tie) + 1
+
+    rounds = rounds_of(records)
+    for round_, rs in rounds.items():
+        hashes = {r["phi_hash"] for r in rs}
+        assert len(hashes) == (2 if round_ in (TIE_AT, ALONE_AT) else 1), (round_, rs)
+    finals = [r for r in records if r["type"] == "eval" and r.get("final")]
+    assert len(finals) == 4 and len({r["phi_hash"] for r in finals}) == 1
