@@ -18,10 +18,10 @@ the payload bound (the compression the method's payloads alone would give at its
 physical limit, from the codecs' exact sizes over the model's real tensor list: ddp's reduce of
 4·numel bytes per step, 2(N−1)/N of it per peer, against a reduce's 2(N−1)/N, an all-gather's (N−1)
 or NoLoCo's G−1 copies of one peer's payload per sync, over its steps per sync) and measured /
-bound, the share of rounds every peer contributed to (a peer that announced too late is left out and
-its round's steps are lost), compute utilization, the shares of the peers' wall time their training loops spent in their
-syncs (codec work, network, DHT, bookkeeping) and evaluating the held-out set (n/a for cells run
-before the peers logged them), and wall time. Time to ddp's loss over emulated links is measured by
+bound, the share of rounds every peer contributed to (a peer that announced too late is left out
+and its round's steps are lost), compute utilization, the shares of the peers' wall time their
+training loops spent in their syncs (codec work, network, DHT, bookkeeping) and evaluating the
+held-out set (n/a for cells run before the peers logged them), and wall time. Time to ddp's loss over emulated links is measured by
 experiments/vs_hivemind.py (namespace mode, the same algorithms).
 """
 
@@ -190,7 +190,8 @@ def table(results: dict[tuple, dict], missing: list[tuple]) -> str:
             f"| {variant} | {peers} | {','.join(map(str, seeds))} | "
             f"{_mean_std([by_seed[s]['final_loss'] for s in seeds], '.4f')} | "
             f"{_mean_std([100 * g for g in gaps], '+.1f') + '%' if gaps and variant != 'ddp' else ''} | {bpt_text} | "
-            f"{comp_text} | {bound:.0f}x | {ratio_text} | {_mean_std([_full_rounds(by_seed[s]) for s in seeds], '.2f')} | "
+            f"{comp_text} | {bound:.0f}x | {ratio_text} | "
+            f"{_mean_std([_full_rounds(by_seed[s]) for s in seeds], '.2f')} | "
             f"{_mean_std([by_seed[s]['compute_utilization'] for s in seeds], '.2f')} | "
             f"{_shares(by_seed, seeds, 'sync_wait_share')} | {_shares(by_seed, seeds, 'eval_share')} | "
             f"{statistics.mean(by_seed[s]['wall_s'] for s in seeds):.0f} |")

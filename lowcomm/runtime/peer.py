@@ -656,8 +656,8 @@ class Peer:
         """Fault injection: every φ value drifts by 1e-3 after round `round_` (peers given the same fault
         drift alike, so tests can split the replicas' φ hashes at will)."""
         if self._fault_at("drift-phi", round_):
-            tensors = {k: v + 1e-3 if k.startswith("phi.") else v.clone() for k, v in self.algo.state_tensors().items()}
-            self.algo.load_state_tensors(tensors)
+            state = {k: v + 1e-3 if k.startswith("phi.") else v.clone() for k, v in self.algo.state_tensors().items()}
+            self.algo.load_state_tensors(state)
             self.log.event("fault_drift", round=round_)
 
     def _late_announce_hook(self, round_: int) -> None:
