@@ -150,7 +150,10 @@ def test_a_peer_left_out_of_a_round_applies_its_result_without_a_state_download(
     late = events(records, "fault_late")
     assert len(late) == 1
     peer = late[0]["peer"]
-    assert [e["round"] for e in events(records, "caught_up", peer)] == [LATE_ROUND]
+    # The hook makes it late in LATE_ROUND; on 2 shared cores it can also miss another round's
+    # announce on its own, so the hooked round must be among its catch-ups, not the only one.
+    assert late[0]["round"] == LATE_ROUND
+    assert LATE_ROUND in [e["round"] for e in events(records, "caught_up", peer)]
     assert not [e for e in events(records, "resync", peer) if e["round"] == LATE_ROUND]
     rounds = rounds_of(records)[LATE_ROUND]
     own = [r for r in rounds if r["peer"] == peer]
