@@ -83,21 +83,28 @@ class ManifestAgreement:
     def _ttl(self) -> float:
         return self.sync.record_ttl_s + self.sync.announce_s + self.sync.manifest_s * 4
 
-    def announce(self, group: str, round_: int) -> None:
+    def announce(self, group: str, round_: int, ahead: bool = False) -> None:
         """Says this peer takes part in ``round_``; ``agree`` says it again when the round starts.
 
-        Announcing ahead (Streaming DiLoCo announces round n + 1 once it applied round n) lets the
-        round's leader count a peer that is a few steps behind instead of timing it out after
-        `announce_s`: its contribution is awaited until the reduce deadline, as any member's.
+        Announcing ahead (a peer announces round n + 1 once it applied round n) lets the round's
+        leader count a peer that is a few steps behind instead of timing it out after `announce_s`:
+        its contribution is awaited until the reduce deadline, as any member's. A member known only
+        from such an announcement owns no shard: it may still be far behind, or gone, and a shard
+        owner that never replies costs every member that slice of the round.
         """
-        self.control.announce(group, round_, {"endpoint": self.endpoint, "client_mode": self.client_mode}, self._ttl)
+        info = {"endpoint": self.endpoint, "client_mode": self.client_mode}
+        self.control.announce(group, round_, {**info, "ahead": True} if ahead else info, self._ttl)
+
+    def withdraw(self, group: str, round_: int) -> None:
+        """Takes back an announcement ahead (a peer leaving): no manifest written after this counts it."""
+        self.control.announce(group, round_, {"endpoint": None, "gone": True}, self._ttl)  # readers drop it
 
     def agree(self, group: str, round_: int, epoch_rounds: int, codec: str,
               suspects: frozenset[str] = frozenset()) -> Manifest:
         ttl = self._ttl
         self.announce(group, round_)
         announcers = self._gather(group, round_, suspects)
-        order = sorted(announcers)
+        order = sorted(p for p, info in announcers.items() if not info.get("ahead"))  # candidate leaders
         published = False
         started = time.monotonic()
         while True:
@@ -108,30 +115,41 @@ class ManifestAgreement:
             if turn >= len(order):
                 raise CollectiveError(f"no manifest for round {round_} after {len(order)} candidate leaders")
             if order[turn] == self.me and not published:
-                announcers = self.control.announcers(group, round_) or announcers
+                announcers = {**(self.control.announcers(group, round_) or announcers),
+                              self.me: {"endpoint": self.endpoint, "client_mode": self.client_mode}}
                 self._publish(group, round_, epoch_rounds, codec, announcers, ttl)
                 published = True
             time.sleep(POLL_S)
 
     def _gather(self, group: str, round_: int, suspects: frozenset[str]) -> dict[str, dict]:
-        """Announcers, once every live peer due in this round has announced or `announce_s` passed."""
+        """Announcers, once every live peer due in this round has reached it or `announce_s` passed.
+
+        A peer that only announced ahead (still training towards the round) is waited for up to
+        `announce_s` like one that has not announced, but then stays a member, without a shard.
+        A manifest already written ends the wait: the round's membership is settled.
+        """
         deadline = time.monotonic() + self.sync.announce_s
         while True:
-            announcers = self.control.announcers(group, round_)
+            announcers = {p: info for p, info in self.control.announcers(group, round_).items()
+                          if isinstance(info.get("endpoint"), str)}  # not withdrawn
             due = {p for p, rec in self.control.live_peers().items()
                    if rec.state in ("training", "joining") and rec.round <= round_ and p not in suspects
                    and self.due_in_group(group, rec)}
-            if (due | {self.me}) <= set(announcers) or time.monotonic() >= deadline:
+            present = {p for p, info in announcers.items() if not info.get("ahead")} | {self.me}
+            announced = (due | {self.me}) <= set(announcers) | {self.me}
+            if (due <= present or time.monotonic() >= deadline
+                    or (announced and self.control.manifests(group, round_))):
                 missing = due - set(announcers) - {self.me}
                 if missing:  # a live record that never announced (dead, or late): the round goes on without it
                     self.on_event("timeout", round=round_, stage="announce", missing=sorted(missing))
-                announcers.setdefault(self.me, {"endpoint": self.endpoint, "client_mode": self.client_mode})
+                announcers[self.me] = {"endpoint": self.endpoint, "client_mode": self.client_mode}
                 return announcers
             time.sleep(POLL_S)
 
     def _publish(self, group, round_, epoch_rounds, codec, announcers, ttl) -> None:
         members = sorted(p for p, v in announcers.items() if isinstance(v.get("endpoint"), str))
-        owners = [p for p in members if not announcers[p].get("client_mode")]
+        # Owners: the members that reached the round (the writer among them), not those announced ahead.
+        owners = [p for p in members if not announcers[p].get("client_mode") and not announcers[p].get("ahead")]
         manifest = Manifest(self.control.run, group, round_, epoch_rounds, self.me, members,
                             {p: announcers[p]["endpoint"] for p in members}, owners, codec,
                             bounded_fan_in(self.control.run, group, round_, members, self.sync.max_contributors))

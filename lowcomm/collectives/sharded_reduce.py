@@ -80,11 +80,18 @@ class ShardedReduce:
 
         def announce():
             try:
-                self.agreement.announce(key.group, round_)
+                self.agreement.announce(key.group, round_, ahead=True)
             except Exception as e:  # the round's own announcement follows when it starts
                 logger.info("round %d: announcing ahead failed: %s", round_, e)
 
         self._pool.submit(announce)
+
+    def withdraw_ahead(self, key: GroupKey, round_: int) -> None:
+        """Takes back an announcement ahead of ``round_`` (the peer leaves); best effort."""
+        try:
+            self.agreement.withdraw(key.group, round_)
+        except Exception as e:
+            logger.info("round %d: withdrawing the announcement failed: %s", round_, e)
 
     def end_epoch(self, key: GroupKey) -> None:
         """Forces a fresh manifest for the next round (after a resync or a failure)."""
