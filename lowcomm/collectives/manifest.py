@@ -80,6 +80,11 @@ class ManifestAgreement:
         self.me = control.identity.peer_id
 
     @property
+    def _presence(self) -> dict:
+        """This peer's announcement once it has reached the round."""
+        return {"endpoint": self.endpoint, "client_mode": self.client_mode}
+
+    @property
     def _ttl(self) -> float:
         return self.sync.record_ttl_s + self.sync.announce_s + self.sync.manifest_s * 4
 
@@ -92,7 +97,7 @@ class ManifestAgreement:
         from such an announcement owns no shard: it may still be far behind, or gone, and a shard
         owner that never replies costs every member that slice of the round.
         """
-        info = {"endpoint": self.endpoint, "client_mode": self.client_mode}
+        info = self._presence
         self.control.announce(group, round_, {**info, "ahead": True} if ahead else info, self._ttl)
 
     def withdraw(self, group: str, round_: int) -> None:
@@ -115,8 +120,7 @@ class ManifestAgreement:
             if turn >= len(order):
                 raise CollectiveError(f"no manifest for round {round_} after {len(order)} candidate leaders")
             if order[turn] == self.me and not published:
-                announcers = {**(self.control.announcers(group, round_) or announcers),
-                              self.me: {"endpoint": self.endpoint, "client_mode": self.client_mode}}
+                announcers = {**(self.control.announcers(group, round_) or announcers), self.me: self._presence}
                 self._publish(group, round_, epoch_rounds, codec, announcers, ttl)
                 published = True
             time.sleep(POLL_S)
@@ -131,18 +135,18 @@ class ManifestAgreement:
         deadline = time.monotonic() + self.sync.announce_s
         while True:
             announcers = {p: info for p, info in self.control.announcers(group, round_).items()
-                          if isinstance(info.get("endpoint"), str)}  # not withdrawn
+                          if isinstance(info.get("endpoint"), str)}  # well-formed (withdrawals are dropped)
             due = {p for p, rec in self.control.live_peers().items()
                    if rec.state in ("training", "joining") and rec.round <= round_ and p not in suspects
                    and self.due_in_group(group, rec)}
             present = {p for p, info in announcers.items() if not info.get("ahead")} | {self.me}
-            announced = (due | {self.me}) <= set(announcers) | {self.me}
+            announced = due <= set(announcers) | {self.me}
             if (due <= present or time.monotonic() >= deadline
                     or (announced and self.control.manifests(group, round_))):
                 missing = due - set(announcers) - {self.me}
                 if missing:  # a live record that never announced (dead, or late): the round goes on without it
                     self.on_event("timeout", round=round_, stage="announce", missing=sorted(missing))
-                announcers[self.me] = {"endpoint": self.endpoint, "client_mode": self.client_mode}
+                announcers[self.me] = self._presence
                 return announcers
             time.sleep(POLL_S)
 

@@ -699,9 +699,8 @@ class Peer:
             if self.record is not None:
                 self.record.state = "leaving"
                 self.control.expire_peer()
-                collective, ahead = getattr(self, "collective", None), getattr(self, "_announced", -1)
-                if ahead >= self.round and hasattr(collective, "withdraw_ahead"):
-                    collective.withdraw_ahead(self.key, ahead)  # its leader need not wait for us
+                if self._announced >= self.round:  # only a ShardedReduce announces ahead
+                    self.collective.withdraw_ahead(self.key, self._announced)  # its leader need not wait for us
         except Exception as e:
             logger.info("could not expire the peer record: %s", e)
         for closer in ("server", "channels", "control"):
