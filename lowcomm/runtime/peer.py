@@ -121,6 +121,7 @@ class Peer:
         self.identity = Identity.generate()
         self.me = self.identity.peer_id
         self.stop_requested = threading.Event()
+        self._stop_signal: tuple[str, float] | None = None  # (SIGTERM or SIGINT, when it came): a leave
         self.traffic = Traffic(LinkShaper(options.link) if options.link is not None else None)
         self.log = RunLog(options.run_dir / "peers" / f"{self.me}.jsonl" if options.run_dir else None, self.me)
         self.record: PeerRecord | None = None
@@ -685,13 +686,17 @@ class Peer:
 
     def _install_signal_handlers(self) -> None:
         def request_stop(signum, _frame):
-            self.log.event("leave", signal=signal.Signals(signum).name)
+            # Nothing is logged here: the handler runs on the main thread between two bytecodes, maybe
+            # inside RunLog.write, whose lock it would then wait on forever. _leave logs the signal.
+            self._stop_signal = (signal.Signals(signum).name, time.time())
             self.stop_requested.set()
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, request_stop)
             signal.signal(signal.SIGTERM, request_stop)
 
     def _leave(self) -> None:
+        if self._stop_signal is not None:
+            self.log.event("leave", signal=self._stop_signal[0], signal_t=self._stop_signal[1])
         self._heartbeat_stop.set()
         if self.traffic.link is not None:
             self.traffic.link.close()  # nothing waits on the emulated link any longer
