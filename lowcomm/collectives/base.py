@@ -1,18 +1,23 @@
-"""The collective interface every algorithm talks to, and an in-process implementation for unit tests.
+"""The collective interface every algorithm and the runtime talk to.
 
     handle = collective.start(group_key, round, payload, weight)
     aggregate, contributors = handle.result(deadline)
 
-`aggregate` is the weighted mean of the contributions that made it into the round, identical on
-every participant; `contributors` lists whose contributions are in it (never trust a sync that
-does not say who contributed).
+`aggregate` is the weighted mean of the contributions that made it into the round (or what the
+collective's combiner makes of them), identical on every participant; `contributors` lists whose
+contributions are in it (never trust a sync that does not say who contributed).
+
+Implementations: `sharded_reduce.ShardedReduce` (gRPC, owners per shard), `pair_exchange.PairExchange`
+(NoLoCo's groups; its handle returns an `ExchangeResult`), and `local.LocalGroup` (N members in one
+process, the same combiners minus gRPC, for unit tests).
 """
 
 from __future__ import annotations
 
-import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -56,67 +61,49 @@ class RoundResult:
 
 
 class Handle(Protocol):
-    def result(self, deadline: float | None = None) -> RoundResult: ...
+    """A round in flight: ``result`` waits up to ``deadline`` seconds (None: no limit)."""
+
+    def result(self, deadline: float | None = None) -> Any: ...
+
+    def done(self) -> bool: ...
 
 
-class Collective(Protocol):
-    def start(self, key: GroupKey, round_: int, payload: torch.Tensor, weight: float = 1.0) -> Handle: ...
+class Collective(ABC):
+    """One peer's end of a group's rounds.
 
-
-class _InProcessRound:
-    def __init__(self, expected: int):
-        self.expected = expected
-        self.payloads: dict[int, tuple[torch.Tensor, float]] = {}
-        self.done = threading.Event()
-        self.result: RoundResult | None = None
-
-
-class InProcessGroup:
-    """R replicas in one process: `group.replica(i)` is replica i's collective.
-
-    A round completes when all R replicas have started it; the aggregate is the weighted mean,
-    passed through `codec` (encode then decode) when one is given, like the real transport.
+    ``me`` is this peer's id. ``before_send`` is a hook for fault injection: when set, it is
+    called with the round number after the round's membership is known and before this member
+    sends its part (raising or sleeping there simulates a crash or a straggler).
     """
 
-    def __init__(self, replicas: int, codec=None):
-        self.replicas = replicas
-        self.codec = codec
-        self._rounds: dict[tuple, _InProcessRound] = {}
-        self._lock = threading.Lock()
+    me: str
+    before_send: Callable[[int], None] | None = None
 
-    def replica(self, index: int) -> "InProcessCollective":
-        return InProcessCollective(self, index)
+    @abstractmethod
+    def start(self, key: GroupKey, round_: int, payload: Any, weight: float = 1.0) -> Handle:
+        """Contributes ``payload`` (a flat tensor, or what the collective's combiner encodes) with
+        ``weight`` (tokens) to ``round_``; the handle's result is the round's aggregate.
+        Raises ``NotInRound`` (from the handle) when this peer is not a member of the round."""
 
-    def _submit(self, index: int, key: GroupKey, round_: int, payload: torch.Tensor, weight: float):
-        with self._lock:
-            state = self._rounds.setdefault((key, round_), _InProcessRound(self.replicas))
-            state.payloads[index] = (payload.detach().to(torch.float32).clone(), float(weight))
-            if len(state.payloads) == state.expected:
-                total = sum(w for _, w in state.payloads.values())
-                mean = sum(p * (w / total) for p, w in state.payloads.values())
-                if self.codec is not None:
-                    mean = self.codec.decode(self.codec.encode(mean)).reshape(mean.shape)
-                members = [f"replica-{i}" for i in sorted(state.payloads)]
-                state.result = RoundResult(mean, members, members)
-                state.done.set()
-        return _InProcessHandle(state)
+    @abstractmethod
+    def catch_up(self, key: GroupKey, round_: int, numel: int, manifest) -> RoundResult:
+        """The result of a round this peer was left out of (``NotInRound.manifest``), as its
+        members got it; raises ``CollectiveError`` when it cannot be had."""
 
+    def announce_ahead(self, key: GroupKey, round_: int) -> None:
+        """Says early that this peer will take part in ``round_`` (best effort; default: nothing)."""
 
-class _InProcessHandle:
-    def __init__(self, state: _InProcessRound):
-        self._state = state
+    def withdraw_ahead(self, key: GroupKey, round_: int) -> None:
+        """Takes back ``announce_ahead`` (the peer leaves; best effort; default: nothing)."""
 
-    def result(self, deadline: float | None = None) -> RoundResult:
-        if not self._state.done.wait(timeout=deadline):
-            raise CollectiveError("in-process round did not complete: not every replica started it")
-        return RoundResult(self._state.result.aggregate.clone(), list(self._state.result.contributors),
-                           list(self._state.result.participants))
+    def end_epoch(self, key: GroupKey) -> None:
+        """Forgets the group's agreed membership so the next round agrees afresh (default: nothing)."""
 
 
-class InProcessCollective:
-    def __init__(self, group: InProcessGroup, index: int):
-        self.group = group
-        self.index = index
+def __getattr__(name: str):
+    # The in-process test collectives used to live here; they moved to collectives.local.
+    if name in ("InProcessGroup", "InProcessCollective"):
+        from lowcomm.collectives import local
 
-    def start(self, key: GroupKey, round_: int, payload: torch.Tensor, weight: float = 1.0):
-        return self.group._submit(self.index, key, round_, payload, weight)
+        return getattr(local, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
