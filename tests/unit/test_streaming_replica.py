@@ -11,13 +11,12 @@ import torch
 from golden import assert_close, golden, tensor
 from torch import nn
 
-from lowcomm.algorithms.diloco import DiLoCo
+from lowcomm.algorithms.diloco import DiLoCo, DilocoConfig
 from lowcomm.algorithms.streaming import StreamingConfig
 from lowcomm.algorithms.streaming_replica import StreamingDiLoCo
 from lowcomm.collectives.base import GroupKey, InProcessGroup, RoundResult
 from lowcomm.compress import get_codec
-from lowcomm.config import DilocoConfig, ModelConfig
-from lowcomm.models.gpt import GPT
+from lowcomm.models.gpt import GPT, ModelConfig
 
 KEY = GroupKey("streaming-test")
 OUTER_LR, MOMENTUM, INNER_LR = 0.7, 0.9, 0.1

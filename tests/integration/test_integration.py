@@ -18,7 +18,6 @@ from lowcomm.proto import wire_pb2, wire_pb2_grpc
 from lowcomm.runtime.checkpoint import load_checkpoint
 from lowcomm.runtime.sim import Simulation
 
-pytestmark = pytest.mark.integration
 H, ROUNDS, STALL_ROUND, LATE_ROUND = 10, 10, 5, 7
 FAULTS = {3: f"stall-sync@{STALL_ROUND}", 2: f"late-announce@{LATE_ROUND}"}
 

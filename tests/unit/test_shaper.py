@@ -1,6 +1,7 @@
 """The link shaper: spec parsing, the bucket's schedule (exact, on a fake clock), real-time lower
 bounds (never upper bounds on rates: the machine is shared), pipelined latency, and a shaped
-transfer over real gRPC on localhost."""
+transfer over real gRPC on localhost, in this process (the shaped simulation of real peers is in
+tests/integration/test_shaper_e2e.py)."""
 
 from __future__ import annotations
 
@@ -342,7 +343,7 @@ def test_simulate_accepts_link_and_refuses_a_bad_one_before_starting(capsys):
     assert build_parser().parse_args(["simulate", "--link", "50mbit:20ms"]).link == "50mbit:20ms"
     assert build_parser().parse_args(["peer", "join", "--coordinator", "x", "--run-key", "k",
                                       "--link", "20mbit"]).link == "20mbit"
-    assert build_parser().parse_args(["simulate", "--netns"]).netns is True  # tests/test_netns_sim.py runs it
+    assert build_parser().parse_args(["simulate", "--netns"]).netns is True  # tests/integration/test_netns_sim.py runs it
     assert main(["simulate", "--stages", "3"]) == 2  # 4 blocks do not cut into 3 equal stages: refused at once
     assert main(["simulate", "--link", "100mbps"]) == 2  # a config error, before anything starts
     assert "ambiguous" in capsys.readouterr().err
@@ -382,33 +383,3 @@ def test_report_splits_the_training_loops_time():
     older = [{k: v for k, v in r.items() if k not in ("sync_wait_s", "eval_s")} for r in compute]
     report = build_report(older, algo="diloco", peers=2, seed=0, model_params=1, started_at=0.0)
     assert report["sync_wait_s"] is None and report["eval_share"] is None  # not measured is not zero
-
-
-# ---- a shaped simulation ---------------------------------------------------------------------------
-
-@pytest.mark.integration
-def test_shaped_simulation_rounds_take_at_least_their_bytes_over_the_rate(tmp_path):
-    from lowcomm.runtime.sim import Simulation
-
-    config = default_config().override({"run.steps": 20, "diloco.inner_steps": 5, "link.default": "50mbit:20ms",
-                                        "sync.reduce_timeout_s": 15.0})
-    sim = Simulation(config, 2, tmp_path / "run", progress=False, timeout_s=300)
-    report = sim.run()
-    link = parse_link("50mbit:20ms")
-    assert report["failed_peers"] == [] and set(report["links"].values()) == {"50mbit:20ms"}
-    per_peer = {}
-    for r in (r for r in sim.records() if r["type"] == "round"):
-        per_peer.setdefault(r["round"], []).append(r["bytes"])
-    assert sorted(per_peer) == [0, 1, 2, 3]
-    # every round a peer recorded is time its training loop waited (the loop's clock wraps the round's)
-    last = {r["peer"]: r for r in sim.records() if r["type"] == "compute"}
-    for peer, c in last.items():
-        own = sum(r["sync_s"] for r in sim.records() if r["type"] == "round" and r["peer"] == peer)
-        assert c["sync_wait_s"] >= own - 1e-3 and own > 0
-    assert report["sync_wait_s"] == pytest.approx(sum(c["sync_wait_s"] for c in last.values()))
-    assert report["eval_s"] > 0  # the final evaluation at least
-    for row in report["rounds"]:
-        slack = link.bytes_per_s * BURST_S
-        assert all(row["sync_s"] * link.bytes_per_s >= b - slack for b in per_peer[row["round"]]), row
-        assert row["link_bound_s"] == pytest.approx(max(per_peer[row["round"]]) / link.bytes_per_s)
-        assert row["bytes"] == sum(per_peer[row["round"]]) > 0

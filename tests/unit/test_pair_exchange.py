@@ -14,13 +14,13 @@ import torch
 
 from lowcomm.algorithms.noloco import group_of
 from lowcomm.collectives.base import GroupKey, NotInRound
+from lowcomm.collectives.config import SyncConfig
 from lowcomm.collectives.manifest import Manifest
 from lowcomm.collectives.pair_exchange import PairExchange
 from lowcomm.collectives.pair_inbox import Inbox, InboxFull
 from lowcomm.collectives.pair_payload import TensorListFormat
 from lowcomm.collectives.reduce_owner import ContributionRejected
 from lowcomm.compress import get_codec
-from lowcomm.config import SyncConfig
 from lowcomm.proto import wire_pb2, wire_pb2_grpc
 from lowcomm.transport.service import PeerService
 from lowcomm.transport.wire import Channels, Traffic, start_server

@@ -16,7 +16,7 @@ from lowcomm.algorithms.sparseloco import (SparseLoCoConfig, SparseLoCoState, ag
                                            compress_pseudo_gradient)
 from lowcomm.compress import get_codec
 
-VECTORS = Path(__file__).resolve().parents[2] / "shared" / "vectors"
+VECTORS = Path(__file__).resolve().parents[3] / "shared" / "vectors"
 RTOL, ATOL = 1e-6, 1e-7  # ALGORITHMS.md "Comparing with the reference vectors"
 
 

@@ -12,7 +12,6 @@ from children import events
 from lowcomm.config import default_config
 from lowcomm.runtime.sim import Simulation
 
-pytestmark = pytest.mark.integration
 PEERS, H, P, TAU, STEPS, JOIN_ROUND = 4, 10, 2, 2, 60, 4
 ROUNDS = STEPS // H * P  # fragment rounds start at 5, 10, …, 60
 

@@ -11,10 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lowcomm.algorithms.diloco import DiLoCo
+from lowcomm.algorithms.diloco import DiLoCo, DilocoConfig
 from lowcomm.algorithms.overlapped import Overlapped
 from lowcomm.collectives.base import GroupKey, InProcessGroup, NotInRound, RoundResult
-from lowcomm.config import DilocoConfig
 
 KEY = GroupKey("overlapped-test")
 REPLICAS, ROUNDS, H, LR = 3, 5, 4, 0.05

@@ -14,7 +14,6 @@ from children import events
 from lowcomm.config import default_config
 from lowcomm.runtime.sim import Simulation
 
-pytestmark = pytest.mark.integration
 
 
 def pipeline_config(stages: int, steps: int, churn: str = "", **extra):

@@ -23,7 +23,7 @@ from lowcomm.compress.dct import block_dct
 from lowcomm.compress.packing import pack12, unpack12
 from lowcomm.compress.q2 import quantize2
 
-VECTORS = Path(__file__).resolve().parents[2] / "shared" / "vectors"
+VECTORS = Path(__file__).resolve().parents[3] / "shared" / "vectors"
 FRAME_HEADER = 6
 RTOL, ATOL = 1e-6, 1e-7  # ALGORITHMS.md "Comparing with the reference vectors"
 

@@ -16,14 +16,12 @@ from pathlib import Path
 import pytest
 from children import default_sigint, wait_until
 
-from lowcomm.cli import main
 from lowcomm.transport import netns
 from lowcomm.transport.netns import lab_objects, unavailable_reason
 
-pytestmark = pytest.mark.integration
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 H, ROUNDS = 5, 3
-# tests/test_integration.py's small_config, as a file for the command line
+# tests/integration/test_integration.py's small_config, as a file for the command line
 SMALL = f"""
 [run]
 steps = {H * ROUNDS}
@@ -75,18 +73,6 @@ def simulate_cmd(tmp_path: Path, *extra: str) -> list[str]:
     config.write_text(SMALL)
     return [sys.executable, "-m", "lowcomm.cli", "simulate", "--netns", "--config", str(config),
             "--report", str(tmp_path / "report.json"), *extra]
-
-
-# ---- without root ------------------------------------------------------------------------
-
-def test_not_root_says_what_to_do_and_starts_nothing(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(netns.sys, "platform", "linux")
-    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
-    report = tmp_path / "report.json"
-    assert main(["simulate", "--netns", "--peers", "2", "--link", "50mbit", "--report", str(report)]) == 2
-    err = capsys.readouterr().err
-    assert "--netns" in err and "root (sudo)" in err and "drop --netns" in err and "Traceback" not in err
-    assert not report.exists() and not (tmp_path / "report-run" / "logs").exists()
 
 
 # ---- as root -----------------------------------------------------------------------------

@@ -9,11 +9,10 @@ from golden import assert_close, golden, random_inputs, tensor, tolist
 from torch import nn
 
 from lowcomm.algorithms import sparseloco, streaming
-from lowcomm.algorithms.diloco import DiLoCo
+from lowcomm.algorithms.diloco import DiLoCo, DilocoConfig
 from lowcomm.algorithms.overlap import OneStepDelay, next_start, progress
 from lowcomm.collectives.base import GroupKey, InProcessGroup
-from lowcomm.config import DilocoConfig, ModelConfig
-from lowcomm.models.gpt import GPT
+from lowcomm.models.gpt import GPT, ModelConfig
 
 KEY = GroupKey("overlap-test")
 OUTER_LR, MOMENTUM, INNER_LR = 0.7, 0.9, 0.1

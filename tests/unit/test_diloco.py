@@ -6,10 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from lowcomm.algorithms.diloco import DiLoCo
+from lowcomm.algorithms.diloco import DiLoCo, DilocoConfig
 from lowcomm.collectives.base import GroupKey, InProcessGroup
 from lowcomm.compress import get_codec
-from lowcomm.config import DilocoConfig
 
 KEY = GroupKey("test")
 

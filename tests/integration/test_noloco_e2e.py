@@ -18,7 +18,6 @@ from lowcomm.config import default_config
 from lowcomm.runtime.runlog import read_records
 from lowcomm.runtime.sim import Simulation
 
-pytestmark = pytest.mark.integration
 PEERS, H, ROUNDS, STALL_ROUND, VICTIM = 4, 5, 8, 3, 3
 
 

@@ -9,7 +9,6 @@ from children import events, rounds_of, wait_until
 from lowcomm.config import default_config
 from lowcomm.runtime.sim import Simulation
 
-pytestmark = pytest.mark.integration
 H, ROUNDS, LATE_ROUND, JOIN_AFTER = 5, 12, 5, 1
 
 

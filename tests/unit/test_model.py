@@ -3,8 +3,7 @@ import math
 import pytest
 import torch
 
-from lowcomm.config import ModelConfig
-from lowcomm.models.gpt import GPT, Block, Embedding, Head
+from lowcomm.models.gpt import GPT, Block, Embedding, Head, ModelConfig
 
 
 @pytest.fixture

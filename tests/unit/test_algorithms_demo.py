@@ -15,7 +15,7 @@ from golden import assert_close, golden, random_inputs, tensor, tolist
 from lowcomm.algorithms.demo import (DemoConfig, DemoState, aggregate_update, apply_all, compress_all,
                                      compress_residual)
 
-VECTORS = Path(__file__).resolve().parents[2] / "shared" / "vectors"
+VECTORS = Path(__file__).resolve().parents[3] / "shared" / "vectors"
 RTOL, ATOL = 1e-6, 1e-7  # ALGORITHMS.md "Comparing with the reference vectors"
 
 

@@ -9,7 +9,6 @@ from lowcomm.config import default_config
 from lowcomm.models.gpt import GPT
 from lowcomm.runtime.sim import Simulation
 
-pytestmark = pytest.mark.integration
 PEERS = 3
 CASES = {  # algo: (steps, steps per round, config overrides)
     "sparseloco": (40, 5, {"sparseloco.inner_steps": 5}),

@@ -1,0 +1,17 @@
+"""The φ drift check's rule: the agreed hash is the majority's, and a tie goes to the smallest peer id
+(end to end: tests/integration/test_drift_e2e.py)."""
+
+from __future__ import annotations
+
+from lowcomm.runtime.peer import drift_sources
+
+
+def test_the_agreed_hash_is_the_majority_and_a_tie_goes_to_the_smallest_peer_id():
+    assert drift_sources({"a": "x", "b": "x", "c": "x", "d": "y"}, "d") == ["a", "b", "c"]
+    assert drift_sources({"a": "x", "b": "x", "c": "x", "d": "y"}, "a") is None
+    assert drift_sources({"a": "y", "b": "x", "c": "x", "d": "y"}, "b") == ["a", "d"]  # 2-2: a holds y
+    assert drift_sources({"a": "y", "b": "x", "c": "x", "d": "y"}, "d") is None
+    assert drift_sources({"a": "z", "b": "x", "c": "x", "d": "y"}, "a") == ["b", "c"]  # 2-1-1: no tie
+    assert drift_sources({"c": "z", "b": "x", "a": "y"}, "b") == ["a"]  # 1-1-1
+    assert drift_sources({"a": "x", "b": "y"}, "b") is None  # two peers: nobody to tell who is right
+    assert drift_sources({"a": "x", "b": "y", "c": "y"}, "d") is None  # mine not published
