@@ -1,4 +1,4 @@
-"""The two tiers and the shared helpers.
+"""The two tiers, the shared helpers, and the check that the tests leave no process behind.
 
 tests/unit holds tests that run in this one process; tests/integration holds tests that start real
 peer processes, network namespaces or the DHT's daemons. Every test under tests/integration gets the
@@ -8,7 +8,11 @@ The helpers (golden.py, children.py, fixtures/) stay in tests/ and are imported 
 
 from __future__ import annotations
 
+import os
+import re
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -24,3 +28,72 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if INTEGRATION in Path(str(item.path)).resolve().parents:
             item.add_marker(pytest.mark.integration)
+
+
+# ---- processes left behind --------------------------------------------------------------------
+
+# What `pgrep -f 'lowcomm.cli|p2pd'` matches: peers, coordinators and simulate launchers, and the
+# DHT's daemons.
+WATCHED = re.compile(r"lowcomm\.cli|p2pd")
+SESSION_ENV = "LOWCOMM_TEST_SESSION"
+GRACE_S = 10.0  # a process may still be on its way out when the last test ends
+
+
+def _read(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def watched_processes() -> dict[int, str]:
+    """pid -> command line of the live processes whose command line matches WATCHED (zombies have none)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        raw = _read(f"/proc/{entry}/cmdline")
+        cmdline = raw.replace(b"\0", b" ").decode(errors="replace").strip() if raw else ""
+        if cmdline and WATCHED.search(cmdline):
+            found[int(entry)] = cmdline
+    return found
+
+
+def started_by_this_session(pid: int, token: str) -> bool:
+    """Whether `pid` inherited this session's marker. The machine is shared: a peer another person
+    started while these tests ran is not theirs. A process whose environment cannot be read counts."""
+    environ = _read(f"/proc/{pid}/environ")
+    return environ is None or f"{SESSION_ENV}={token}".encode() in environ.split(b"\0")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_left_behind():
+    """Fails the run if a process matching WATCHED that started during the session outlives it.
+    Processes that existed before the session are not the tests'; children inherit SESSION_ENV,
+    which tells ours from those others start meanwhile."""
+    if not os.path.isdir("/proc"):
+        yield
+        return
+    before = set(watched_processes())
+    token = uuid.uuid4().hex
+    previous = os.environ.get(SESSION_ENV)
+    os.environ[SESSION_ENV] = token
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(SESSION_ENV, None)
+        else:
+            os.environ[SESSION_ENV] = previous
+    deadline = time.monotonic() + GRACE_S
+    while True:
+        left = {pid: cmd for pid, cmd in watched_processes().items()
+                if pid not in before and started_by_this_session(pid, token)}
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    if left:
+        listing = "\n".join(f"  pid {pid}: {cmd}" for pid, cmd in sorted(left.items()))
+        pytest.fail(f"processes left behind by the tests (still running {GRACE_S:.0f}s after the last "
+                    f"test):\n{listing}", pytrace=False)
