@@ -135,7 +135,7 @@ class LowcommWorker:
     def __init__(self, args, initial_peers: list[str]):
         from lowcomm.collectives.base import GroupKey
         from lowcomm.collectives.manifest import ManifestAgreement
-        from lowcomm.config import SyncConfig
+        from lowcomm.collectives.config import SyncConfig
         from lowcomm.transport.control import ControlPlane, PeerRecord
         from lowcomm.transport.identity import Identity
         from lowcomm.transport.service import PeerService

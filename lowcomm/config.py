@@ -12,26 +12,74 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from lowcomm.algorithms.ddp import DdpConfig
 from lowcomm.algorithms.demo import DemoConfig
+from lowcomm.algorithms.diloco import CODECS as DILOCO_CODECS
+from lowcomm.algorithms.diloco import DilocoConfig
+from lowcomm.algorithms.inner import InnerConfig
 from lowcomm.algorithms.noloco import NoLoCoConfig
 from lowcomm.algorithms.sparseloco import SparseLoCoConfig
 from lowcomm.algorithms.streaming import CODECS as STREAMING_CODECS
 from lowcomm.algorithms.streaming import StreamingConfig, check_one_in_flight, rounds_started_by, step_after_rounds
+from lowcomm.collectives.config import SyncConfig
+from lowcomm.collectives.pair_payload import WIRE_CODECS as NOLOCO_CODECS
+from lowcomm.compress.base import MAX_ZSTD_LEVEL
+from lowcomm.compress.sparse import MAX_CHUNK
 from lowcomm.compress.topk import VALUE_CODECS
-from lowcomm.runtime.churn import parse_churn
-from lowcomm.transport.shaper import parse_link_option
+from lowcomm.data.corpus import CORPORA, DataConfig
+from lowcomm.models.gpt import ModelConfig
+from lowcomm.pipeline.config import RECOVERIES, STAGE_SYNC_ALGOS, PipelineConfig
+from lowcomm.runtime.checkpoint import CheckpointConfig
+from lowcomm.runtime.churn import ChurnConfig, parse_churn
+from lowcomm.transport.shaper import LinkConfig, parse_link_option
 
 
 ALGOS = ("diloco", "streaming-diloco", "sparseloco", "demo", "noloco", "ddp")
-NOLOCO_CODECS = ("fp32", "bf16", "uint8")  # collectives.pair_payload.WIRE_CODECS
 PER_STEP_ALGOS = ("ddp", "demo")  # sync every optimizer step, in membership epochs
 UNHASHED_SECTIONS = ("link", "churn")  # the emulated network: not part of what makes two runs the same
+BYTE_VOCAB = 256  # the stdlib corpus is byte-level: every token id is < 256
+
+_AT_LEAST_1 = (lambda v: v >= 1, ">= 1")
+_AT_LEAST_0 = (lambda v: v >= 0, ">= 0")
+_POSITIVE = (lambda v: v > 0, "> 0")
+_UNIT = (lambda v: 0 <= v <= 1, "in [0, 1]")
+_UNIT_OPEN = (lambda v: 0 <= v < 1, "in [0, 1)")
+# Every numeric field of the run config and what it may hold (floats must also be finite). Rules
+# that involve two fields (topk and chunk, stages and n_layers, ...) are in RunConfig.validate.
+RANGES: dict[str, tuple[Any, str]] = {
+    "run.steps": _AT_LEAST_1, "run.seed": _AT_LEAST_0,
+    **{f"model.{k}": _AT_LEAST_1 for k in ("vocab_size", "d_model", "n_layers", "n_heads", "context")},
+    "data.holdout_fraction": (lambda v: 0 < v < 1, "in (0, 1)"),
+    "data.eval_batches": _AT_LEAST_1, "data.eval_every_tokens": _AT_LEAST_1,
+    "inner.lr": _POSITIVE, "inner.warmup_steps": _AT_LEAST_0, "inner.beta1": _UNIT_OPEN, "inner.beta2": _UNIT_OPEN,
+    "inner.weight_decay": _AT_LEAST_0, "inner.batch_size": _AT_LEAST_1,
+    "inner.grad_clip": (lambda v: v >= 0, ">= 0 (0: no clipping)"),
+    "diloco.inner_steps": _AT_LEAST_1, "diloco.outer_lr": _POSITIVE, "diloco.outer_momentum": _UNIT_OPEN,
+    "streaming.fragments": _AT_LEAST_1, "streaming.fragment_sync_delay": _AT_LEAST_0, "streaming.alpha": _UNIT,
+    "sparseloco.inner_steps": _AT_LEAST_1, "sparseloco.outer_lr": _POSITIVE, "sparseloco.beta": _UNIT,
+    "sparseloco.chunk": (lambda v: 2 <= v <= MAX_CHUNK, f"in [2, {MAX_CHUNK}]"),
+    "demo.lr": _POSITIVE, "demo.beta": _UNIT, "demo.chunk": (lambda v: 1 <= v <= MAX_CHUNK, f"in [1, {MAX_CHUNK}]"),
+    "demo.weight_decay": _AT_LEAST_0, "demo.zero_band": _UNIT_OPEN,
+    "noloco.inner_steps": _AT_LEAST_1, "noloco.group_size": _AT_LEAST_1, "noloco.outer_lr": _POSITIVE,
+    "noloco.momentum": _UNIT_OPEN,
+    "ddp.epoch_steps": _AT_LEAST_1,
+    **{f"sync.{k}": _POSITIVE for k in ("announce_s", "manifest_s", "reduce_timeout_s", "heartbeat_s")},
+    "sync.record_ttl_s": _POSITIVE, "sync.chunk_bytes": _AT_LEAST_1,
+    "sync.zstd_level": (lambda v: 0 <= v <= MAX_ZSTD_LEVEL, f"in [0, {MAX_ZSTD_LEVEL}] (0: off)"),
+    "sync.max_contributors": (lambda v: v >= 0, ">= 0 (0: every member)"),
+    "pipeline.stages": _AT_LEAST_1, "pipeline.round_s": _POSITIVE, "pipeline.hop_timeout_s": _POSITIVE,
+    "pipeline.stage_wait_s": _POSITIVE, "pipeline.hysteresis": _AT_LEAST_0,
+    "pipeline.checkpoint_every_rounds": (lambda v: v >= 0, ">= 0 (0: none)"),
+    "pipeline.rebalance_every_rounds": (lambda v: v >= 0, ">= 0 (0: only on the test hook)"),
+    "checkpoint.every_rounds": (lambda v: v >= 0, ">= 0 (0: none)"), "checkpoint.keep": _AT_LEAST_1,
+}
 
 
 class ConfigError(ValueError):
@@ -40,126 +88,12 @@ class ConfigError(ValueError):
 
 @dataclass
 class RunSection:
+    """The [run] section: which algorithm, for how long, from which seed."""
+
     name: str = "lowcomm-default"
-    algo: str = "diloco"
-    steps: int = 600
+    algo: str = "diloco"  # one of ALGOS
+    steps: int = 600  # inner steps per peer
     seed: int = 0
-
-
-@dataclass
-class ModelConfig:
-    vocab_size: int = 256
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    context: int = 64
-
-
-@dataclass
-class DataConfig:
-    corpus: str = "stdlib"
-    holdout_fraction: float = 0.02
-    eval_batches: int = 16
-    eval_every_tokens: int = 61440
-
-
-@dataclass
-class InnerConfig:
-    lr: float = 1e-3
-    warmup_steps: int = 50
-    beta1: float = 0.9
-    beta2: float = 0.95
-    weight_decay: float = 0.1
-    batch_size: int = 16
-    grad_clip: float = 0.0
-
-
-@dataclass
-class DilocoConfig:
-    inner_steps: int = 30
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    nesterov: bool = True
-    codec: str = "uint8"
-    overlap: bool = False  # one-step-delay overlap (ALGORITHMS.md §1)
-
-
-@dataclass
-class DdpConfig:
-    epoch_steps: int = 50
-
-
-@dataclass
-class SyncConfig:
-    announce_s: float = 2.0
-    manifest_s: float = 5.0
-    reduce_timeout_s: float = 20.0
-    chunk_bytes: int = 1 << 20
-    zstd_level: int = 1
-    max_contributors: int = 0  # G: the most members that send contributions in one round (0: all)
-    heartbeat_s: float = 2.0
-    record_ttl_s: float = 10.0
-
-
-@dataclass
-class PipelineConfig:
-    """The model cut into stages served by changing sets of peers (pipeline, runtime.stage_peer)."""
-
-    stages: int = 1  # S > 1: pipeline mode (`simulate --stages`); must divide model.n_layers
-    round_s: float = 15.0  # a stage's replicas sync every round_s seconds of DHT time (weighted by steps)
-    checkfree_plus: bool = True  # S >= 4: swap the end stages' blocks on odd microbatches, replicate embed/head
-    recovery: str = "checkfree"  # checkfree | checkpoint (the restart baseline: every stage back to its checkpoint)
-    checkpoint_every_rounds: int = 0  # K > 0: every K rounds each stage's leader writes the stage (run_stage_checkpoints)
-    hop_timeout_s: float = 30.0  # one forward or backward call; a timeout retries on another replica
-    stage_wait_s: float = 180.0  # how long a driver waits for a stage with no replica before dropping a microbatch
-    rebalance_every_rounds: int = 2  # a rebalancing check after every such round (0: only the test hook)
-    hysteresis: float = 0.1  # a move must lift the weaker of its two stages above (1 + this) x the target's total
-
-    @property
-    def replicate_ends(self) -> bool:
-        return self.checkfree_plus and self.stages >= 4
-
-
-@dataclass
-class CheckpointConfig:
-    every_rounds: int = 5
-    keep: int = 3
-
-
-@dataclass
-class LinkConfig:
-    """Emulated access links for `simulate` (transport.shaper): RATE[:LATENCY] specs, "" = unshaped.
-
-        [link]
-        default = "100mbit:40ms"   # every peer's link (`simulate --link` overrides this)
-        [link.peers]               # exceptions, by simulate peer index (0 .. peers-1)
-        0 = "20mbit:80ms"
-
-    A peer joining by hand sets its own link with `peer join --link`; the run's [link] does not
-    shape volunteers. `netns = true` (`simulate --netns`) runs every process in its own network
-    namespace: each RATE becomes the kernel's htb cap on that peer's link, LATENCY stays in the
-    peer's application shaper (which then paces nothing), and a peer with no RATE is uncapped.
-    """
-
-    default: str = ""
-    peers: dict[str, str] = field(default_factory=dict)
-    netns: bool = False
-
-    def spec_for(self, index: int) -> str:
-        """The link spec of simulate's peer `index` ("" for an unshaped link)."""
-        spec = self.peers.get(str(index), self.default).strip()
-        return "" if spec.lower() in ("none", "off") else spec
-
-
-@dataclass
-class ChurnConfig:
-    """Injected churn for `simulate` (runtime.churn); `simulate --churn` overrides it.
-
-        [churn]
-        spec = "kill:1@r3,leave:1@r4,join:2@t30s"   # or a rate: "0.25/round"; "" = none
-    """
-
-    spec: str = ""
 
 
 @dataclass
@@ -264,28 +198,24 @@ class RunConfig:
         return RunConfig.from_dict(raw)
 
     def validate(self) -> None:
-        if self.run.algo not in ALGOS:
-            raise ConfigError(f"run.algo = {self.run.algo!r}: this version runs {', '.join(ALGOS)}")
-        if self.sparseloco.values not in VALUE_CODECS:
-            raise ConfigError(f"sparseloco.values = {self.sparseloco.values!r}: use one of {', '.join(VALUE_CODECS)}")
-        for key in ("inner_steps", "topk", "chunk"):
-            if getattr(self.sparseloco, key) < 1:
-                raise ConfigError(f"sparseloco.{key} must be ≥ 1")
-        if self.demo.topk < 1 or self.demo.chunk < 1 or not self.demo.lr > 0:
-            raise ConfigError("demo.topk and demo.chunk must be ≥ 1 and demo.lr > 0")
-        self._validate_noloco()
-        if self.diloco.codec not in ("fp32", "uint8"):
-            raise ConfigError(f"diloco.codec = {self.diloco.codec!r}: use 'fp32' or 'uint8'")
+        """Refuses what cannot run, with a one-line ConfigError naming the key and what is allowed."""
+        for key, (allowed, description) in RANGES.items():
+            section, _, name = key.partition(".")
+            value = getattr(getattr(self, section), name)
+            if isinstance(value, float) and not math.isfinite(value) or not allowed(value):
+                raise ConfigError(f"{key} = {value!r}: must be {description}")
+        for key, value, choices in self._choices():
+            if value not in choices:
+                raise ConfigError(f"{key} = {value!r}: use one of {', '.join(choices)}")
         if self.model.d_model % self.model.n_heads:
-            raise ConfigError("model.d_model must be divisible by model.n_heads")
-        for name, value in (("run.steps", self.run.steps), ("diloco.inner_steps", self.diloco.inner_steps),
-                            ("ddp.epoch_steps", self.ddp.epoch_steps), ("inner.batch_size", self.inner.batch_size)):
-            if value < 1:
-                raise ConfigError(f"{name} must be >= 1 (got {value})")
+            raise ConfigError(f"model.d_model = {self.model.d_model}: must be divisible by model.n_heads = "
+                              f"{self.model.n_heads}")
+        if self.model.vocab_size < BYTE_VOCAB:
+            raise ConfigError(f"model.vocab_size = {self.model.vocab_size}: must be >= {BYTE_VOCAB} "
+                              f"(data.corpus {self.data.corpus!r} is byte-level)")
+        self._validate_topk()
+        self._validate_noloco()
         self._validate_streaming()
-        if self.diloco.overlap and self.streaming_run:
-            raise ConfigError("diloco.overlap with run.algo = 'streaming-diloco': Streaming DiLoCo overlaps "
-                              "through streaming.fragment_sync_delay; set diloco.overlap = false")
         self._validate_pipeline()
         self._validate_links()
         try:
@@ -293,12 +223,35 @@ class RunConfig:
         except ValueError as e:
             raise ConfigError(f"churn.spec = {self.churn.spec!r}: {e}") from None
 
+    def _choices(self) -> list[tuple[str, str, Any]]:
+        return [("run.algo", self.run.algo, ALGOS), ("data.corpus", self.data.corpus, CORPORA),
+                ("diloco.codec", self.diloco.codec, DILOCO_CODECS),
+                ("streaming.codec", self.streaming.codec, STREAMING_CODECS),
+                ("sparseloco.values", self.sparseloco.values, VALUE_CODECS),
+                ("noloco.codec", self.noloco.codec, NOLOCO_CODECS),
+                ("pipeline.recovery", self.pipeline.recovery, RECOVERIES)]
+
+    def _validate_topk(self) -> None:
+        """k per chunk must fit a full chunk (chunk x chunk entries); SparseLoCo's k is also even (§3)."""
+        s, d = self.sparseloco, self.demo
+        if s.topk % 2 or not 2 <= s.topk <= s.chunk ** 2:
+            raise ConfigError(f"sparseloco.topk = {s.topk}: must be even and in [2, sparseloco.chunk² = "
+                              f"{s.chunk ** 2}] (k per {s.chunk}x{s.chunk} chunk; 12-bit indices pair up)")
+        if not 1 <= d.topk <= d.chunk ** 2:
+            raise ConfigError(f"demo.topk = {d.topk}: must be in [1, demo.chunk² = {d.chunk ** 2}] "
+                              f"(k per {d.chunk}x{d.chunk} chunk)")
+
+    def _validate_noloco(self) -> None:
+        n = self.noloco
+        if n.consensus is not None and (isinstance(n.consensus, bool) or not isinstance(n.consensus, (int, float))
+                                        or not 0 <= n.consensus < math.inf):
+            raise ConfigError(f"noloco.consensus = {n.consensus!r}: a number ≥ 0 (γ), or leave it out for γ = α")
+
     def _validate_streaming(self) -> None:
         s = self.streaming
-        if s.codec not in STREAMING_CODECS:
-            raise ConfigError(f"streaming.codec = {s.codec!r}: use one of {', '.join(STREAMING_CODECS)}")
-        if not 0.0 <= s.alpha <= 1.0:
-            raise ConfigError(f"streaming.alpha = {s.alpha}: must be in [0, 1]")
+        if self.diloco.overlap and self.streaming_run:
+            raise ConfigError("diloco.overlap with run.algo = 'streaming-diloco': Streaming DiLoCo overlaps "
+                              "through streaming.fragment_sync_delay; set diloco.overlap = false")
         if not self.streaming_run:
             return  # the schedule only has to fit the model and H when it runs
         if not 1 <= s.fragments <= self.model.n_layers:
@@ -312,16 +265,12 @@ class RunConfig:
 
     def _validate_pipeline(self) -> None:
         p = self.pipeline
-        if p.stages < 1 or self.model.n_layers % p.stages:
-            raise ConfigError(f"pipeline.stages = {p.stages}: must be >= 1 and divide model.n_layers = "
+        if self.model.n_layers % p.stages:
+            raise ConfigError(f"pipeline.stages = {p.stages}: must divide model.n_layers = "
                               f"{self.model.n_layers} (every stage holds the same number of blocks)")
-        if p.recovery not in ("checkfree", "checkpoint"):
-            raise ConfigError(f"pipeline.recovery = {p.recovery!r}: use 'checkfree' or 'checkpoint'")
         if p.recovery == "checkpoint" and p.checkpoint_every_rounds < 1:
             raise ConfigError("pipeline.recovery = 'checkpoint' needs pipeline.checkpoint_every_rounds >= 1")
-        if not p.round_s > 0 or not p.hop_timeout_s > 0 or not p.stage_wait_s > 0 or p.hysteresis < 0:
-            raise ConfigError("pipeline.round_s, hop_timeout_s and stage_wait_s must be > 0, hysteresis >= 0")
-        if p.stages > 1 and (self.run.algo not in ("diloco", "sparseloco") or self.overlap):
+        if p.stages > 1 and (self.run.algo not in STAGE_SYNC_ALGOS or self.overlap):
             raise ConfigError(f"pipeline.stages = {p.stages} with run.algo = {self.run.algo!r}"
                               f"{' and overlap' if self.overlap else ''}: a stage's replicas sync with diloco or "
                               "sparseloco (no overlap); pick one of those or pipeline.stages = 1")
@@ -329,19 +278,6 @@ class RunConfig:
     @property
     def pipelined(self) -> bool:
         return self.pipeline.stages > 1
-
-    def _validate_noloco(self) -> None:
-        n = self.noloco
-        if n.codec not in NOLOCO_CODECS:
-            raise ConfigError(f"noloco.codec = {n.codec!r}: use one of {', '.join(NOLOCO_CODECS)}")
-        if n.inner_steps < 1 or n.group_size < 1:
-            raise ConfigError("noloco.inner_steps and noloco.group_size must be ≥ 1")
-        if not n.outer_lr > 0 or not 0 <= n.momentum < 1:
-            raise ConfigError(f"noloco.outer_lr must be > 0 and noloco.momentum in [0, 1) "
-                              f"(got {n.outer_lr}, {n.momentum})")
-        if n.consensus is not None and (isinstance(n.consensus, bool) or not isinstance(n.consensus, (int, float))
-                                        or n.consensus < 0):
-            raise ConfigError(f"noloco.consensus = {n.consensus!r}: a number ≥ 0 (γ), or leave it out for γ = α")
 
     def _validate_links(self) -> None:
         specs = {"link.default": self.link.default}
@@ -363,27 +299,31 @@ def _apply(target: Any, section: str, values: dict[str, Any]) -> None:
         if key not in fields:
             raise ConfigError(f"unknown key {section}.{key}; known: {', '.join(fields)}")
         current = getattr(target, key)
-        try:
-            if isinstance(current, dict):
-                if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
-                    raise TypeError
-                value = {str(k): v for k, v in value.items()}
-            elif isinstance(current, bool):
-                if not isinstance(value, bool):
-                    raise TypeError
-            elif isinstance(current, int):
-                if isinstance(value, bool) or float(value) != int(value):
-                    raise TypeError
-                value = int(value)
-            elif isinstance(current, float):
-                value = float(value)
-            elif isinstance(current, str):
-                if not isinstance(value, str):
-                    raise TypeError
-        except (TypeError, ValueError):
-            expected = "a table of strings" if isinstance(current, dict) else type(current).__name__
-            raise ConfigError(f"{section}.{key} = {value!r}: expected {expected}") from None
-        setattr(target, key, value)
+        if current is None:  # an optional number (noloco.consensus): checked by validate()
+            setattr(target, key, value)
+            continue
+        converted = _convert(value, current)
+        if converted is None:
+            expected = {dict: "a table of strings", bool: "true or false", int: "an integer",
+                        float: "a number", str: "a string"}[type(current)]
+            raise ConfigError(f"{section}.{key} = {value!r}: expected {expected}")
+        setattr(target, key, converted)
+
+
+def _convert(value: Any, like: Any) -> Any:
+    """`value` as the type of the default `like`, or None where it is not one (no bools as numbers,
+    no strings as numbers, no fractions as integers)."""
+    if isinstance(like, dict):
+        if isinstance(value, dict) and all(isinstance(v, str) for v in value.values()):
+            return {str(k): v for k, v in value.items()}
+        return None
+    if isinstance(like, bool) or isinstance(like, str):
+        return value if isinstance(value, type(like)) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if isinstance(like, int):
+        return int(value) if math.isfinite(value) and value == int(value) else None
+    return float(value)
 
 
 def default_config() -> RunConfig:

@@ -6,6 +6,8 @@ identical; a joiner therefore receives the optimizer state along with the parame
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -13,6 +15,13 @@ from lowcomm.algorithms.state import tensors_hash
 from lowcomm.collectives.base import Collective, GroupKey, RoundResult
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class DdpConfig:
+    """The [ddp] section: ddp syncs every step, so its membership is agreed once per epoch of steps."""
+
+    epoch_steps: int = 50
 
 
 class DataParallel:

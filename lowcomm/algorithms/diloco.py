@@ -11,12 +11,27 @@ same φ from the same aggregate whatever its accelerator. The inner loop belongs
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from lowcomm.algorithms.replica import OuterReplica
 from lowcomm.collectives.base import Collective, GroupKey, RoundResult
-from lowcomm.config import DilocoConfig
+
+CODECS = ("fp32", "uint8")  # the pseudo-gradient on the wire
+
+
+@dataclass
+class DilocoConfig:
+    """The [diloco] section; also Streaming DiLoCo's H and outer optimizer (algorithms.streaming)."""
+
+    inner_steps: int = 30  # H
+    outer_lr: float = 0.7  # η_out
+    outer_momentum: float = 0.9  # μ, in [0, 1)
+    nesterov: bool = True
+    codec: str = "uint8"  # one of CODECS
+    overlap: bool = False  # one-step-delay overlap (ALGORITHMS.md §1)
 
 
 class DiLoCo(OuterReplica):

@@ -24,7 +24,7 @@ from lowcomm.algorithms import streaming
 from lowcomm.algorithms.diloco import DiLoCo
 from lowcomm.algorithms.streaming import StreamingConfig
 from lowcomm.collectives.base import Collective, GroupKey, RoundResult
-from lowcomm.config import DilocoConfig
+from lowcomm.algorithms.diloco import DilocoConfig
 
 
 class StreamingDiLoCo(DiLoCo):

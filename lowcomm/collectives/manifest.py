@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from lowcomm.collectives.base import CollectiveError, NotInRound
-from lowcomm.config import SyncConfig
+from lowcomm.collectives.config import SyncConfig
 from lowcomm.transport.control import ControlPlane, PeerRecord
 
 logger = logging.getLogger(__name__)

@@ -39,7 +39,7 @@ from lowcomm.collectives.manifest import ManifestAgreement
 from lowcomm.collectives.pair_inbox import Inbox, InboxFull
 from lowcomm.collectives.pair_payload import TensorListFormat
 from lowcomm.collectives.reduce_owner import ContributionRejected
-from lowcomm.config import SyncConfig
+from lowcomm.collectives.config import SyncConfig
 from lowcomm.proto import wire_pb2
 from lowcomm.transport.service import PeerService
 from lowcomm.transport.wire import Channels, Traffic, WireError, assemble, slices

@@ -26,7 +26,7 @@ from lowcomm.collectives.base import CollectiveError, GroupKey, RoundResult
 from lowcomm.collectives.manifest import Manifest, ManifestAgreement
 from lowcomm.collectives.combiners import DenseMean
 from lowcomm.collectives.reduce_owner import ContributionRejected, OwnerSlots, Slot, validate_weight
-from lowcomm.config import SyncConfig
+from lowcomm.collectives.config import SyncConfig
 from lowcomm.proto import wire_pb2
 from lowcomm.transport.service import PeerService
 from lowcomm.transport.wire import Channels, Traffic, WireError, assemble, slices

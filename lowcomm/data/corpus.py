@@ -27,14 +27,25 @@ from pathlib import Path
 
 import numpy as np
 
-from lowcomm.config import DataConfig
-
 log = logging.getLogger(__name__)
 
 EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests"})
 TOKEN_DTYPE = np.dtype("<u2")
 TOKENS_FILE = "tokens.bin"
 META_FILE = "meta.json"
+
+
+CORPORA = ("stdlib",)
+
+
+@dataclass
+class DataConfig:
+    """The [data] section: which corpus, its held-out split, and how often the run evaluates."""
+
+    corpus: str = "stdlib"  # one of CORPORA
+    holdout_fraction: float = 0.02  # the last fraction of the token stream, in (0, 1)
+    eval_batches: int = 16  # held-out batches per evaluation
+    eval_every_tokens: int = 61440  # the run's leader evaluates each time the global token count crosses this
 
 
 class CorpusError(RuntimeError):
@@ -76,7 +87,7 @@ def tokenize_stdlib(stdlib: Path | None = None) -> np.ndarray:
 
 def load_corpus(config: DataConfig) -> Corpus:
     """The cached stdlib corpus (built on first use), split into train and held-out tokens."""
-    if config.corpus != "stdlib":
+    if config.corpus not in CORPORA:
         raise CorpusError(f"data.corpus = {config.corpus!r}: this version ships only 'stdlib'")
     if not 0.0 < config.holdout_fraction < 1.0:
         raise CorpusError(f"data.holdout_fraction = {config.holdout_fraction}: must lie in (0, 1)")

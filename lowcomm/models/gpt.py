@@ -10,11 +10,22 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from dataclasses import dataclass
+
 from torch import nn
 
-from lowcomm.config import ModelConfig
-
 INIT_STD = 0.02
+
+
+@dataclass
+class ModelConfig:
+    """The [model] section: the GPT's shape (byte-level by default: 256 tokens)."""
+
+    vocab_size: int = 256
+    d_model: int = 128  # divisible by n_heads
+    n_layers: int = 4  # divisible by pipeline.stages
+    n_heads: int = 4
+    context: int = 64  # tokens per sequence
 
 
 class Embedding(nn.Module):

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from lowcomm.config import RunConfig
+from lowcomm.algorithms.inner import InnerConfig
+from lowcomm.models.gpt import ModelConfig
 from lowcomm.pipeline.activations import ActivationError, pack, unpack, unpack_tokens
 from lowcomm.pipeline.stages import StageModule
 from lowcomm.proto import wire_pb2
@@ -34,8 +36,15 @@ EMA_ALPHA = 0.1
 Reply = wire_pb2.StageReply
 
 
+class StageServerConfig(Protocol):
+    """What a stage server reads of the run config (the run config itself lives above pipeline)."""
+
+    model: ModelConfig
+    inner: InnerConfig
+
+
 class StageServer:
-    def __init__(self, config: RunConfig, module: StageModule, stage: int, slowdown: float = 1.0,
+    def __init__(self, config: StageServerConfig, module: StageModule, stage: int, slowdown: float = 1.0,
                  device: torch.device = torch.device("cpu")):
         self.config = config
         self.device = device

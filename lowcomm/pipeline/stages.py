@@ -18,8 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lowcomm.config import ModelConfig
-from lowcomm.models.gpt import GPT, Block, Embedding, Head
+from lowcomm.models.gpt import GPT, Block, Embedding, Head, ModelConfig
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from lowcomm.runtime.state_transfer import Snapshot
+
+
+@dataclass
+class CheckpointConfig:
+    """The [checkpoint] section: how often the coordinator checkpoints the global model, how many it keeps."""
+
+    every_rounds: int = 5  # 0: never
+    keep: int = 3  # the newest this many are kept
 
 
 class CheckpointError(RuntimeError):

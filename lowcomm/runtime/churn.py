@@ -50,6 +50,17 @@ _ACTION = re.compile(r"^(?P<action>[a-z]+):(?P<count>\d+)@(?:r(?P<round>\d+)|t(?
 _RATE = re.compile(r"^(?P<fraction>\d*\.?\d+)/rounds?$")
 
 
+@dataclass
+class ChurnConfig:
+    """The [churn] section: injected churn for `simulate` (`simulate --churn` overrides it).
+
+        [churn]
+        spec = "kill:1@r3,leave:1@r4,join:2@t30s"   # or a rate: "0.25/round"; "" = none
+    """
+
+    spec: str = ""
+
+
 class ChurnSpecError(ValueError):
     """A --churn spec (or [churn] spec) does not parse; the message lists the accepted forms."""
 

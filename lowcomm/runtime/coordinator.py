@@ -20,6 +20,7 @@ from hivemind.utils import get_dht_time
 
 from lowcomm.config import RunConfig
 from lowcomm.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from lowcomm.runtime.run_config import publish_run_config
 from lowcomm.runtime.state_transfer import Snapshot, StateError, StateHolder, download_state
 from lowcomm.transport.control import ControlPlane, PeerRecord
 from lowcomm.transport.identity import Identity
@@ -54,7 +55,7 @@ class Coordinator:
             self.last_checkpoint_round = resumed.round
         self.control = ControlPlane.start(self.identity, run, host=self.dht_host, port=self.port)
         self.epoch = get_dht_time()
-        self.control.publish_config(self.config, version=1, ttl=CONFIG_TTL_S, epoch=self.epoch)
+        publish_run_config(self.control, self.config, version=1, ttl=CONFIG_TTL_S, epoch=self.epoch)
         self.traffic = Traffic()
         self.channels = Channels(self.config.sync.chunk_bytes)
         self.service = PeerService(self.identity.peer_id, self.traffic, self.channels)
@@ -85,7 +86,7 @@ class Coordinator:
         while not self.stop_requested.wait(1.0):
             try:
                 if time.monotonic() >= refresh_at:
-                    self.control.publish_config(self.config, version=1, ttl=CONFIG_TTL_S, epoch=self.epoch)
+                    publish_run_config(self.control, self.config, version=1, ttl=CONFIG_TTL_S, epoch=self.epoch)
                     refresh_at = time.monotonic() + 60
                 self.control.publish_peer(self.record, self.config.sync.record_ttl_s)
                 self._maybe_checkpoint()

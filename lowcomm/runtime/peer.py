@@ -47,6 +47,7 @@ from lowcomm.collectives.manifest import ManifestAgreement
 from lowcomm.collectives.pair_exchange import PairExchange
 from lowcomm.collectives.sharded_reduce import ShardedReduce
 from lowcomm.proto import wire_pb2
+from lowcomm.runtime.run_config import fetch_run_config
 from lowcomm.runtime.runlog import RunLog
 from lowcomm.runtime.state_transfer import StateError, StateHolder, decode_state, download_state, encode_state
 from lowcomm.runtime.trainer import LocalTrainer, pick_device
@@ -141,7 +142,7 @@ class Peer:
         o = self.options
         self.control = ControlPlane.start(self.identity, o.run_name, initial_peers=o.coordinator,
                                           host=o.dht_host or o.host)
-        self.config, _ = self.control.fetch_config(owner_marker_from_text(o.run_key))
+        self.config, _ = fetch_run_config(self.control, owner_marker_from_text(o.run_key))
         torch.set_num_threads(1)
         sync = self.config.sync
         self.channels = Channels(sync.chunk_bytes)

@@ -18,14 +18,23 @@ from typing import Any
 import hivemind
 from hivemind.utils import get_dht_time
 
-from lowcomm.config import ConfigError, RunConfig
 from lowcomm.transport.identity import Identity, peer_id_of
 
 logger = logging.getLogger(__name__)
 
 
 class ConfigRejected(RuntimeError):
-    """No run config signed by the expected coordinator key was found in the DHT."""
+    """No run config signed by the expected coordinator key was found in the DHT, or it was unusable."""
+
+
+@dataclass(frozen=True)
+class SignedConfig:
+    """The run config record as the coordinator's key signed it; the runtime parses and checks `text`."""
+
+    text: str  # the run config's canonical JSON
+    hash: str  # what the coordinator says the config hashes to
+    version: int
+    epoch: float  # the DHT time the run started
 
 
 @dataclass
@@ -124,15 +133,19 @@ class ControlPlane:
 
     # ---- run config -------------------------------------------------------------------------
 
-    def publish_config(self, config: RunConfig, version: int, ttl: float, epoch: float = 0.0) -> None:
-        """`epoch`: the DHT time the run started (pipelines count their wall-clock rounds from it)."""
-        value = {"peer_id": self.identity.peer_id, "version": version, "config": config.to_json(),
-                 "hash": config.config_hash(), "epoch": epoch}
+    def publish_config(self, text: str, config_hash: str, version: int, ttl: float, epoch: float = 0.0) -> None:
+        """Signs and stores the run config's JSON `text`; `epoch`: the DHT time the run started (pipelines
+        count their wall-clock rounds from it)."""
+        value = {"peer_id": self.identity.peer_id, "version": version, "config": text,
+                 "hash": config_hash, "epoch": epoch}
         if not self._store(f"{self.run}.config", value, ttl):
             raise RuntimeError("could not store the run config in the DHT")
 
-    def fetch_config(self, coordinator_marker: bytes, timeout: float = 30.0) -> tuple[RunConfig, int]:
-        """The run config signed by the coordinator's key; refuses any other writer's config."""
+    def fetch_config(self, coordinator_marker: bytes, timeout: float = 30.0) -> SignedConfig:
+        """The run config record signed by the coordinator's key; refuses any other writer's config.
+
+        Only the signature is checked here: the runtime parses the text (runtime.run_config) and
+        checks it against its hash."""
         expected = peer_id_of(coordinator_marker)
         deadline = time.monotonic() + timeout
         others = set()
@@ -140,15 +153,13 @@ class ControlPlane:
             records = self._read(f"{self.run}.config")
             if expected in records:
                 value = records[expected]
-                try:
-                    config = RunConfig.from_json(value["config"])
-                except (ConfigError, KeyError, TypeError) as e:
-                    raise ConfigRejected(f"the coordinator's run config is invalid: {e}") from None
-                if config.config_hash() != value.get("hash"):
-                    raise ConfigRejected("the run config's hash does not match its contents")
+                text, config_hash, version = value.get("config"), value.get("hash"), value.get("version", 0)
+                if not isinstance(text, str) or not isinstance(config_hash, str) or not isinstance(version, int):
+                    raise ConfigRejected("the coordinator's run config record is malformed "
+                                         "(config and hash must be strings, version an integer)")
                 epoch = value.get("epoch", 0.0)
                 self.run_epoch = float(epoch) if isinstance(epoch, (int, float)) and math.isfinite(epoch) else 0.0
-                return config, int(value.get("version", 0))
+                return SignedConfig(text, config_hash, version, self.run_epoch)
             others |= set(records)
             time.sleep(0.2)
         hint = (f" (configs signed by other keys were refused: {sorted(others)})" if others else "")

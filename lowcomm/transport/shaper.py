@@ -38,7 +38,7 @@ import math
 import re
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 logger = logging.getLogger(__name__)
@@ -56,6 +56,31 @@ _BYTE_UNITS = {"B": 8, "KB": 8e3, "kB": 8e3, "MB": 8e6, "GB": 8e9, "KiB": 8 * 10
 _LATENCY_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 _NUMBER = r"(\d+(?:\.\d*)?|\.\d+)"
 UNLIMITED = "unlimited"  # a rate that paces nothing: the link only adds latency
+
+
+@dataclass
+class LinkConfig:
+    """The [link] section: emulated access links for `simulate`, as RATE[:LATENCY] specs ("" = unshaped).
+
+        [link]
+        default = "100mbit:40ms"   # every peer's link (`simulate --link` overrides this)
+        [link.peers]               # exceptions, by simulate peer index (0 .. peers-1)
+        0 = "20mbit:80ms"
+
+    A peer joining by hand sets its own link with `peer join --link`; the run's [link] does not
+    shape volunteers. `netns = true` (`simulate --netns`) runs every process in its own network
+    namespace: each RATE becomes the kernel's htb cap on that peer's link, LATENCY stays in the
+    peer's application shaper (which then paces nothing), and a peer with no RATE is uncapped.
+    """
+
+    default: str = ""
+    peers: dict[str, str] = field(default_factory=dict)
+    netns: bool = False
+
+    def spec_for(self, index: int) -> str:
+        """The link spec of simulate's peer `index` ("" for an unshaped link)."""
+        spec = self.peers.get(str(index), self.default).strip()
+        return "" if spec.lower() in ("none", "off") else spec
 
 
 @dataclass(frozen=True)

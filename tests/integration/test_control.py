@@ -3,6 +3,7 @@
 import pytest
 
 from lowcomm.config import default_config
+from lowcomm.runtime.run_config import fetch_run_config, publish_run_config
 from lowcomm.transport.control import ConfigRejected, ControlPlane, PeerRecord
 from lowcomm.transport.identity import Identity, owner_marker_from_text
 
@@ -21,21 +22,21 @@ def swarm():
 def test_config_signed_by_the_coordinator_is_accepted_and_others_refused(swarm):
     coordinator, attacker, reader = swarm
     real = default_config()
-    coordinator.publish_config(real, version=1, ttl=60)
-    attacker.publish_config(real.override({"diloco.outer_lr": 5.0}), version=2, ttl=60)  # its own key's subkey
-    config, version = reader.fetch_config(coordinator.identity.owner_marker, timeout=10)
+    publish_run_config(coordinator, real, version=1, ttl=60)
+    publish_run_config(attacker, real.override({"diloco.outer_lr": 5.0}), version=2, ttl=60)  # its own key's subkey
+    config, version = fetch_run_config(reader, coordinator.identity.owner_marker, timeout=10)
     assert config == real and version == 1
     with pytest.raises(ConfigRejected, match="signed by the coordinator key"):
-        reader.fetch_config(owner_marker_from_text(Identity.generate().public_key_text), timeout=2)
+        fetch_run_config(reader, owner_marker_from_text(Identity.generate().public_key_text), timeout=2)
 
 
 def test_forged_record_under_the_coordinators_key_is_dropped(swarm):
     coordinator, attacker, reader = swarm
-    coordinator.publish_config(default_config(), version=1, ttl=60)
+    publish_run_config(coordinator, default_config(), version=1, ttl=60)
     forged = {"peer_id": coordinator.identity.peer_id, "version": 9, "config": "{}", "hash": "x"}
     # the attacker writes under the coordinator's owner marker without its private key
     attacker.dht.store("run-x.config", forged, 10**10, subkey=coordinator.identity.owner_marker)
-    config, version = reader.fetch_config(coordinator.identity.owner_marker, timeout=10)
+    config, version = fetch_run_config(reader, coordinator.identity.owner_marker, timeout=10)
     assert version == 1 and config == default_config()
 
 
