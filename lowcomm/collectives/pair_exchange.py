@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from lowcomm.collectives.base import GroupKey
+from lowcomm.collectives.base import Collective, CollectiveError, GroupKey, RoundResult
 from lowcomm.collectives.manifest import ManifestAgreement
 from lowcomm.collectives.pair_inbox import Inbox, InboxFull
 from lowcomm.collectives.pair_payload import TensorListFormat
@@ -80,7 +80,7 @@ def pairing_digest(groups: dict[str, tuple[str, ...]]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-class PairExchange:
+class PairExchange(Collective):
     """A peer's pair exchange: ``start(key, round, tensors).result(timeout)`` → ``ExchangeResult``."""
 
     def __init__(self, peer_id: str, service: PeerService, channels: Channels, traffic: Traffic,
@@ -112,8 +112,9 @@ class PairExchange:
         self.inbox.enter(channel, round_)  # before announcing: a fast mate's push is buffered, not refused
         return ExchangeHandle(self._rounds.submit(self._run, key, round_, tensors))
 
-    def end_epoch(self, key: GroupKey) -> None:
-        """Nothing to forget: every round agrees on its own manifest (kept for the peer's interface)."""
+    def catch_up(self, key: GroupKey, round_: int, numel: int, manifest) -> RoundResult:
+        """No round result exists to fetch: each group averages apart (NoLoCo catches up alone)."""
+        raise CollectiveError(f"round {round_}: a pair exchange has no round result to catch up on")
 
     def _run(self, key: GroupKey, round_: int, tensors: list[torch.Tensor]) -> ExchangeResult:
         channel = (key.run, key.group)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from lowcomm.collectives.base import CollectiveError, GroupKey, RoundResult
+from lowcomm.collectives.base import Collective, CollectiveError, GroupKey, RoundResult
 from lowcomm.collectives.manifest import Manifest, ManifestAgreement
 from lowcomm.collectives.combiners import DenseMean
 from lowcomm.collectives.reduce_owner import ContributionRejected, OwnerSlots, Slot, validate_weight
@@ -42,7 +42,7 @@ class ShardReply:
     blob: bytes
 
 
-class ShardedReduce:
+class ShardedReduce(Collective):
     """A peer's collective: `start(key, round, payload, weight).result(deadline)`."""
 
     def __init__(self, peer_id: str, service: PeerService, channels: Channels, traffic: Traffic,
