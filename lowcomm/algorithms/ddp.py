@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lowcomm.algorithms.base import PerStepReplica, SyncHooks
 from lowcomm.algorithms.state import tensors_hash
 from lowcomm.collectives.base import Collective, GroupKey, RoundResult
 
@@ -24,13 +25,11 @@ class DdpConfig:
     epoch_steps: int = 50
 
 
-class DataParallel:
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, collective: Collective, key: GroupKey):
-        self.model = model
+class DataParallel(PerStepReplica):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, collective: Collective, key: GroupKey,
+                 tokens_per_step: int = 1, hooks: SyncHooks | None = None):
+        super().__init__(model, collective, key, tokens_per_step, hooks)
         self.optimizer = optimizer
-        self.collective = collective
-        self.key = key
-        self.names = [name for name, _ in model.named_parameters()]
 
     def flat_gradient(self) -> torch.Tensor:
         return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lowcomm.algorithms.payloads import decode_contributions
+from lowcomm.algorithms.payloads import Contribution, decode_contributions
 from lowcomm.compress import SparseCodec, get_codec, scatter_mean
 
 
@@ -73,7 +73,15 @@ def aggregate_update(payloads: Sequence[bytes], codec: SparseCodec, shape: tuple
     sign depends on the kernel, so replicas on different hardware could step apart. A positive
     ``zero_band`` snaps those to 0 (no step there); 0 keeps the reference's plain sign.
     """
-    coeffs = scatter_mean(decode_contributions(payloads, codec, tuple(shape)), tuple(shape))
+    return combine(decode_contributions(payloads, codec, tuple(shape)), codec, shape, zero_band)
+
+
+@torch.no_grad()
+def combine(contributions: Sequence[Contribution], codec: SparseCodec, shape: tuple[int, ...],
+            zero_band: float = 0.0) -> torch.Tensor:
+    """U from decoded contributions: ``aggregate_update`` past decoding, and what every member of a
+    networked round computes from the payloads it gathered (see ``aggregate_update``)."""
+    coeffs = scatter_mean(list(contributions), tuple(shape))
     update = codec.inverse(coeffs)
     if zero_band > 0 and coeffs.numel():
         update[update.abs() <= zero_band * coeffs.abs().max()] = 0.0

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lowcomm.algorithms.replica import OuterReplica
+from lowcomm.algorithms.base import SyncHooks
+from lowcomm.algorithms.outer import OuterReplica
 from lowcomm.collectives.base import Collective, GroupKey, RoundResult
 
 CODECS = ("fp32", "uint8")  # the pseudo-gradient on the wire
@@ -35,13 +36,11 @@ class DilocoConfig:
 
 
 class DiLoCo(OuterReplica):
-    def __init__(self, model: nn.Module, config: DilocoConfig, collective: Collective, key: GroupKey):
-        self.model = model
+    def __init__(self, model: nn.Module, config: DilocoConfig, collective: Collective, key: GroupKey,
+                 tokens_per_step: int = 1, hooks: SyncHooks | None = None):
+        super().__init__(model, collective, key, config.inner_steps, tokens_per_step, hooks)
         self.config = config
-        self.collective = collective
-        self.key = key
-        self.names = [name for name, _ in model.named_parameters()]
-        self.phi = [nn.Parameter(p.detach().to("cpu", torch.float32).clone()) for p in model.parameters()]
+        self.phi = [nn.Parameter(p) for p in self.phi]
         self.outer = torch.optim.SGD(self.phi, lr=config.outer_lr, momentum=config.outer_momentum,
                                      nesterov=config.nesterov and config.outer_momentum > 0)
 

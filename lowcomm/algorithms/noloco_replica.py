@@ -1,8 +1,8 @@
 """A NoLoCo replica on a real pair exchange: the peer-facing side of algorithms.noloco.
 
-Same surface as ``DiLoCo`` (start_sync / apply / sync / catch_up / state), so the peer loop runs it
-every H inner steps. Each round the replica pushes ``Contribution(θ − φ, φ)`` to its group-mates
-(collectives.pair_exchange: the list progress ‖ φ, one tensor per parameter each), averages over
+Same schedule as ``DiLoCo`` (algorithms.outer): a round every H inner steps. Each round the
+replica pushes ``Contribution(θ − φ, φ)`` to its group-mates (collectives.pair_exchange: the list
+progress ‖ φ, one tensor per parameter each), averages over
 the contributions that arrived by the deadline with its own always included (``delivered``), and
 takes the outer step ``noloco.outer_step``: m ← βm + αḡ + γ(φ̄ − φ), φ ← φ + m, θ ← φ.
 
@@ -23,21 +23,20 @@ import torch
 from torch import nn
 
 from lowcomm.algorithms.noloco import Contribution, NoLoCoConfig, contribution, delivered, outer_step
-from lowcomm.algorithms.replica import OuterReplica
+from lowcomm.algorithms.base import SyncHooks
+from lowcomm.algorithms.outer import OuterReplica
 from lowcomm.collectives.base import GroupKey
 from lowcomm.collectives.pair_exchange import ExchangeResult, PairExchange
 
 
 class NoLoCo(OuterReplica):
     shared_phi = False  # every replica has its own φ: no drift check, no global φ hash
+    announces_ahead = False
 
-    def __init__(self, model: nn.Module, config: NoLoCoConfig, collective: PairExchange, key: GroupKey):
-        self.model = model
+    def __init__(self, model: nn.Module, config: NoLoCoConfig, collective: PairExchange, key: GroupKey,
+                 tokens_per_step: int = 1, hooks: SyncHooks | None = None):
+        super().__init__(model, collective, key, config.inner_steps, tokens_per_step, hooks)
         self.config = config
-        self.collective = collective
-        self.key = key
-        self.names = [name for name, _ in model.named_parameters()]
-        self.phi = [p.detach().to("cpu", torch.float32).clone() for p in model.parameters()]
         self.momentum = [torch.zeros_like(p) for p in self.phi]
         self._own: Contribution | None = None
 

@@ -19,7 +19,14 @@ round (``NotInRound`` with the manifest): it fetches the round's agreed aggregat
 members held after launching round r−1), so ``enter(r)`` reads round r−1's manifest at once and
 schedules its aggregate to be fetched the same way at the first sync: from then on it holds the
 members' φ. (A state resumed from a checkpoint has no such round: it is dropped, and said so.) Any other failure
-of a pending round propagates as CollectiveError (the peer resyncs and ``enter``s again).
+of a pending round propagates as ``RoundFailed`` (the peer resyncs and ``enter``s again).
+
+The schedule (``after_inner_step``): every H steps ``sync(t)``; at the run's last step the final
+round lands at once (θ ← φ for the final evaluation), and ``finish`` lands it for a run whose
+steps are not a multiple of H. A landed round's bytes are everything sent since the previous
+landing, since its reduce ran in the background; its record says whether it was caught up. The
+state this replica holds after ``sync(t)`` is labelled round t + 1 (φ up to t − 1): a joiner that
+enters there fetches round t's aggregate at its first sync.
 """
 
 from __future__ import annotations
@@ -30,8 +37,9 @@ from collections.abc import Callable
 
 import torch
 
+from lowcomm.algorithms.base import Replica, RoundDropped, RoundFailed
+from lowcomm.algorithms.outer import OuterReplica
 from lowcomm.algorithms.overlap import next_start, progress
-from lowcomm.algorithms.replica import OuterReplica
 from lowcomm.collectives.base import CollectiveError, NotInRound, RoundResult
 
 POLL_S = 0.1
@@ -47,22 +55,69 @@ class _FetchRound:
         raise NotInRound(f"round {self.round} ran before this replica entered", self.manifest)
 
 
-class Overlapped:
+class Overlapped(Replica):
+    announces_ahead = True
+
     def __init__(self, inner: OuterReplica, manifest_of: Callable[[int], object]):
         """``manifest_of(round)``: the round's manifest, or None while there is none (the DHT)."""
+        super().__init__(inner.model, inner.collective, inner.key, inner.tokens_per_step, inner.hooks)
         self.inner = inner
         self.manifest_of = manifest_of
         self.start = self._theta()  # s_1 = φ_0
         self.pending: tuple[int, object] | None = None
+        self._landed_mark: int | None = None  # the meter when a round last landed
 
-    # the replica surface the peer uses
     @property
     def phi(self):
         return self.inner.phi
 
-    @property
-    def model(self):
-        return self.inner.model
+    # ---- the schedule ------------------------------------------------------------------------
+
+    def after_inner_step(self, step: int) -> bool:
+        if step % self.inner.sync_every != 0:
+            return True
+        round_ = self.round
+        if not self.hooks.gate(round_):
+            return False
+        weight, t0 = self.tokens_per_step * self.inner.sync_every, time.time()
+        if self._landed_mark is None:
+            self._landed_mark = self.hooks.meter()
+        timeout = self.hooks.timeout_s
+        try:
+            landed = [self.sync(round_, weight, timeout)]
+            if step >= self.hooks.total_steps:
+                landed.append(self.drain(timeout))
+        except (CollectiveError, TimeoutError) as e:  # a late round was caught up inside; this is worse
+            raise RoundFailed(round_ - 1, e) from e
+        self._land(landed, weight, t0)
+        self.round = round_ + 1
+        self._ahead = self.round
+        return True
+
+    def in_flight(self) -> bool:
+        return self.pending is not None
+
+    def finish(self) -> bool:
+        """The end of a run whose steps are not a multiple of H: the last round lands."""
+        if self.pending is None:
+            return False
+        t0 = time.time()
+        try:
+            landed = self.drain(self.hooks.timeout_s)
+        except (CollectiveError, TimeoutError) as e:  # the final φ misses that round: θ ← φ anyway
+            self.inner.load_phi_into_model()
+            raise RoundDropped(self.round - 1, e) from e
+        self._land([landed], self.tokens_per_step * self.inner.sync_every, t0)
+        return True
+
+    def _land(self, landed: list, weight: float, t0: float) -> None:
+        for result in filter(None, landed):
+            sent = self.hooks.meter()
+            mark = sent if self._landed_mark is None else self._landed_mark
+            self._landed_mark = sent
+            caught_up = bool(result.info.get("caught_up"))
+            self._landed(result.info["round"], result, weight, t0, sent - mark, caught_up=caught_up)
+            t0 = time.time()
 
     def phi_hash(self) -> str:
         return self.inner.phi_hash()
@@ -78,13 +133,14 @@ class Overlapped:
         self.inner.load_state_tensors(tensors)
         self.start, self.pending = self._theta(), None
 
-    def enter(self, round_: int, wait_s: float) -> bool:
+    def enter(self, round_: int, wait_s: float = 0.0) -> bool:
         """After a download labelled ``round_``: round_ − 1's aggregate is still to be applied.
 
         Its manifest is read now, while it is fresh in the DHT (it expires before the first sync on
         a slow peer), waiting at most ``wait_s``. False when there is none (a state from a
         checkpoint holder after a resume, whose round ran in another swarm): that round is dropped.
         """
+        super().enter(round_, wait_s)
         if round_ <= 0:
             return True
         deadline = time.monotonic() + wait_s

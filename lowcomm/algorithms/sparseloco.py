@@ -86,10 +86,16 @@ def median_norm_clip(contributions: Sequence[Contribution]) -> list[Contribution
 @torch.no_grad()
 def aggregate(payloads: Sequence[bytes], codec: Codec, shape: tuple[int, ...], clip: bool = True) -> torch.Tensor:
     """The (optionally clipped) scatter-mean of the peers' payloads for one parameter of ``shape``."""
-    contributions = decode_contributions(payloads, codec, tuple(shape))
-    if clip:
+    return combine(decode_contributions(payloads, codec, tuple(shape)), shape, clip)
+
+
+@torch.no_grad()
+def combine(contributions: Sequence[Contribution], shape: tuple[int, ...], clip: bool = True) -> torch.Tensor:
+    """The (optionally clipped) scatter-mean of decoded contributions: ``aggregate`` past decoding,
+    and what every member of a networked round computes from the payloads it gathered."""
+    if clip and contributions:
         contributions = median_norm_clip(contributions)
-    return scatter_mean(contributions, tuple(shape))
+    return scatter_mean(list(contributions), tuple(shape))
 
 
 @torch.no_grad()

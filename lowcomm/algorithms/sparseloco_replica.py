@@ -1,10 +1,11 @@
 """A SparseLoCo replica on a real collective: the peer-facing side of algorithms.sparseloco.
 
-Same surface as ``DiLoCo`` (start_sync / apply / sync / catch_up / state), so the peer loop runs
-either. Each round the replica folds Δ = φ − θ into its error-feedback residuals, encodes one
-payload per parameter (top-k + 2-bit values; 1-D tensors dense), and hands the list to a
-collective built with ``combiner(config, shapes)``: owners forward the contributors' payloads
-and every member applies the same clipped scatter-mean, φ ← φ − η_out · aggregate.
+Same schedule as ``DiLoCo`` (algorithms.outer). Each round the replica folds Δ = φ − θ into its
+error-feedback residuals, encodes one payload per parameter (top-k + 2-bit values; 1-D tensors
+dense), and hands the list to a collective built with ``combiner(config, shapes)``: owners forward
+the contributors' payloads and every member computes ``sparseloco.combine`` (the clipped
+scatter-mean) and takes ``sparseloco.outer_step``, φ ← φ − η_out · aggregate: the functions the
+golden tests pin.
 
 The residuals are this replica's own memory: they are not part of the shared state (a joiner or
 a resynced peer starts with zero residuals), and a round this replica misses keeps what it
@@ -18,32 +19,29 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from lowcomm.algorithms.sparseloco import SparseLoCoConfig, SparseLoCoState, compress_all, median_norm_clip
-from lowcomm.algorithms.replica import OuterReplica
+from lowcomm.algorithms import sparseloco
+from lowcomm.algorithms.base import SyncHooks
+from lowcomm.algorithms.outer import OuterReplica
+from lowcomm.algorithms.sparseloco import SparseLoCoConfig, SparseLoCoState, compress_all
 from lowcomm.collectives.base import Collective, GroupKey, RoundResult
 from lowcomm.collectives.combiners import SparseBundle
-from lowcomm.compress import Codec, scatter_mean
+from lowcomm.compress import Codec
 
 
 def combiner(config: SparseLoCoConfig, shapes: Sequence[tuple[int, ...]]) -> SparseBundle:
     """The collective's combiner for SparseLoCo payloads of parameters with ``shapes``."""
 
     def combine(contributions: list, shape: tuple[int, ...], codec: Codec) -> torch.Tensor:
-        if config.clip and contributions:
-            contributions = median_norm_clip(contributions)
-        return scatter_mean(contributions, shape)
+        return sparseloco.combine(contributions, shape, config.clip)
 
     return SparseBundle(shapes, config.codec_for, combine)
 
 
 class SparseLoCo(OuterReplica):
-    def __init__(self, model: nn.Module, config: SparseLoCoConfig, collective: Collective, key: GroupKey):
-        self.model = model
+    def __init__(self, model: nn.Module, config: SparseLoCoConfig, collective: Collective, key: GroupKey,
+                 tokens_per_step: int = 1, hooks: SyncHooks | None = None):
+        super().__init__(model, collective, key, config.inner_steps, tokens_per_step, hooks)
         self.config = config
-        self.collective = collective
-        self.key = key
-        self.names = [name for name, _ in model.named_parameters()]
-        self.phi = [p.detach().to("cpu", torch.float32).clone() for p in model.parameters()]
         self.state = SparseLoCoState.zeros_like(self.phi)
 
     def start_sync_delta(self, round_: int, delta: list[torch.Tensor], weight: float):
@@ -51,12 +49,11 @@ class SparseLoCo(OuterReplica):
         payloads = compress_all(self.state, delta, self.config)
         return self.collective.start(self.key, round_, payloads, weight)
 
-    @torch.no_grad()
     def step_outer(self, result: RoundResult) -> None:
-        """φ ← φ − η_out · aggregate."""
+        """φ ← φ − η_out · aggregate, per parameter."""
         offset = 0
         for p in self.phi:
-            p.sub_(result.aggregate[offset:offset + p.numel()].reshape(p.shape), alpha=self.config.outer_lr)
+            sparseloco.outer_step(p, result.aggregate[offset:offset + p.numel()].reshape(p.shape), self.config.outer_lr)
             offset += p.numel()
 
     def state_tensors(self) -> dict[str, torch.Tensor]:

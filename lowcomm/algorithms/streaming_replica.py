@@ -9,28 +9,52 @@ Round n (algorithms.streaming) syncs fragment p = (n + 1) mod P, strided over tr
 φ, the outer Nesterov SGD and its per-parameter momentum are DiLoCo's (the parameters outside p
 get no gradient, so their momentum stands still), and so is the state a joiner downloads. The
 payload is fragment p's Δ flattened in parameter order; its codec is [streaming].codec. With
-P = 1, τ = 0, α = 0 every round is a DiLoCo round. The peer loop decides when to call
-``start_sync`` and ``finish_sync``; ``round_starting`` / ``apply_step`` say when.
+P = 1, τ = 0, α = 0 every round is a DiLoCo round.
+
+The schedule (``after_inner_step``): the open round is awaited at its apply step, then the round
+due at this step starts (and is awaited at once when τ = 0). At the run's last step every round
+begun is awaited at once (the final sync): φ does not depend on when a round is applied, only θ
+would, and θ is not trained any further. The next round is announced ahead as soon as nothing is
+in flight, so a leader a few steps ahead counts this replica in. A round's ``sync_s`` is the
+reduce itself (manifest + exchange, overlapped with τ inner steps); ``blocked_s`` what training
+waited for at the apply step.
 """
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from lowcomm.algorithms import streaming
+from lowcomm.algorithms.base import SyncHooks
 from lowcomm.algorithms.diloco import DiLoCo
 from lowcomm.algorithms.streaming import StreamingConfig
 from lowcomm.collectives.base import Collective, GroupKey, RoundResult
 from lowcomm.algorithms.diloco import DilocoConfig
 
 
+@dataclass
+class OpenRound:
+    """A round whose reduce runs in the background until its apply step."""
+
+    round: int
+    handle: object
+    apply_step: int
+    weight: float
+    t0: float
+    bytes_before: int
+
+
 class StreamingDiLoCo(DiLoCo):
     def __init__(self, model: nn.Module, config: DilocoConfig, streaming_config: StreamingConfig,
-                 collective: Collective, key: GroupKey):
-        super().__init__(model, config, collective, key)
+                 collective: Collective, key: GroupKey, tokens_per_step: int = 1, hooks: SyncHooks | None = None):
+        super().__init__(model, config, collective, key, tokens_per_step, hooks)
+        self.open: OpenRound | None = None
+        self._offered = -1  # the last round offered for announcing ahead
         self.inner_steps = config.inner_steps
         self.fragments = streaming_config.fragments
         self.delay = streaming_config.fragment_sync_delay
@@ -43,7 +67,46 @@ class StreamingDiLoCo(DiLoCo):
             raise ValueError(f"fragments {empty} hold no parameter: use at most as many fragments as "
                              f"transformer blocks ({self.fragments} asked)")
 
-    # ---- the schedule, in rounds -------------------------------------------------------------
+    # ---- the schedule ------------------------------------------------------------------------
+
+    def after_inner_step(self, step: int) -> bool:
+        last = step >= self.hooks.total_steps
+        if self.open is not None and (self.open.apply_step <= step or last):
+            self._finish_open()
+        round_ = self.round_starting(step)
+        if round_ is not None:
+            if not self.hooks.gate(round_):
+                return False
+            # each fragment round carries the tokens trained since the previous round began (H/P steps)
+            steps = self.start_step(round_) - (self.start_step(round_ - 1) if round_ > 0 else 0)
+            weight = self.tokens_per_step * steps
+            t0, bytes_before = time.time(), self.hooks.meter()
+            self.open = OpenRound(round_, self.start_sync(round_, weight), self.apply_step(round_), weight, t0,
+                                  bytes_before)
+            if self.open.apply_step <= step or last:  # τ = 0, or the final sync
+                self._finish_open()
+        return True
+
+    def _finish_open(self) -> None:
+        open_round, self.open = self.open, None
+        round_, t_wait = open_round.round, time.time()
+        result = self._await(round_, lambda: self.finish_sync(round_, open_round.handle, self.hooks.timeout_s))
+        own = (result.info.get("manifest_s") or 0.0) + (result.info.get("reduce_s") or 0.0)
+        self._landed(round_, result, open_round.weight, open_round.t0, self.hooks.meter() - open_round.bytes_before,
+                     sync_s=own or time.time() - open_round.t0, fragment=self.fragment_of(round_),
+                     blocked_s=time.time() - t_wait)
+
+    def take_ahead(self) -> int | None:
+        """The round after the last one applied, once nothing is in flight."""
+        if self.open is not None or self._offered >= self.round:
+            return None
+        self._offered = self.round
+        return self.round
+
+    def enter(self, round_: int, wait_s: float = 0.0) -> bool:
+        self.open = None  # a round begun before the downloaded state is void
+        self._offered = -1
+        return super().enter(round_, wait_s)
 
     def fragment_of(self, round_: int) -> int:
         return streaming.round_fragment(round_, self.fragments)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from lowcomm.algorithms.inner import InnerConfig
+from lowcomm.algorithms.inner import InnerConfig, InnerOptimizer, NonFiniteGradient
 from lowcomm.models.gpt import ModelConfig
 from lowcomm.pipeline.activations import ActivationError, pack, unpack, unpack_tokens
 from lowcomm.pipeline.stages import StageModule
@@ -63,10 +63,9 @@ class StageServer:
         with self.lock:
             module.to(self.device)  # in place: an algorithm holding these parameters keeps them
             self.module, self.stage = module, stage
-            self.optimizer = torch.optim.AdamW(module.parameters(), lr=inner.lr, betas=(inner.beta1, inner.beta2),
-                                               weight_decay=inner.weight_decay)
-            self.lr_scale, self.step = lr_scale, step
-            self.grad_norm = 0.0
+            self.inner = InnerOptimizer(module.parameters(), inner, lr_scale)
+            self.optimizer = self.inner.optimizer
+            self.step = step
             self.round_steps = 0  # inner steps since the last sync (the weight of this replica's Δ)
             self._phi: dict[str, torch.Tensor] | None = None  # the synced weights evaluations use
 
@@ -83,10 +82,20 @@ class StageServer:
         """Work units per second of this peer's compute (bias-corrected EMA; 0 before the first call)."""
         return self._ema / (1 - (1 - EMA_ALPHA) ** self._ema_n) if self._ema_n else 0.0
 
+    @property
+    def lr_scale(self) -> float:
+        return self.inner.lr_scale
+
+    @property
+    def grad_norm(self) -> float:
+        return self.inner.grad_norm
+
+    @grad_norm.setter
+    def grad_norm(self, value: float) -> None:
+        self.inner.grad_norm = value
+
     def lr_at(self, step: int) -> float:
-        warmup = self.config.inner.warmup_steps
-        lr = self.config.inner.lr * (min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0)
-        return lr * self.lr_scale
+        return self.inner.lr_at(step)
 
     # ---- the two calls ------------------------------------------------------------------------
 
@@ -173,17 +182,12 @@ class StageServer:
         return targets.to(self.device)
 
     def _inner_step(self) -> None:
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        clip = self.config.inner.grad_clip
-        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
-        if not torch.isfinite(norm):  # a poisoned gradient never reaches the weights
-            self.optimizer.zero_grad(set_to_none=True)
-            raise ActivationError("the gradient is not finite; the step was skipped")
-        self.grad_norm = min(float(norm), clip) if clip > 0 else float(norm)
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.lr_at(self.step)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        try:
+            self.inner.clip()
+        except NonFiniteGradient as e:
+            raise ActivationError(str(e)) from None
+        self.inner.step(self.step)
+        self.inner.zero_grad()
         self.step += 1
         self.round_steps += 1
 

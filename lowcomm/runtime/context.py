@@ -1,0 +1,124 @@
+"""What every peer process holds, whatever it trains: identity, control plane, gRPC service and server,
+channels, traffic counters, its run log, the fault plan and the stop event.
+
+    ctx = PeerContext(options)        # identity, log, traffic, faults; nothing opened yet
+    ctx.open()                        # DHT, the signed run config, the gRPC server, reachability
+    ...                               # a training peer or a stage peer runs on it
+    ctx.close()                       # the gRPC server (with its grace), channels, DHT; the exit record
+
+SIGINT and SIGTERM set ``stop`` (the handler only marks, it never logs: it runs between two
+bytecodes of the main thread, maybe inside RunLog.write, whose lock it would wait on forever);
+``close`` logs the leave with the signal's time.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+
+import torch
+
+from lowcomm.proto import wire_pb2
+from lowcomm.runtime.faults import FaultPlan
+from lowcomm.runtime.run_config import fetch_run_config
+from lowcomm.runtime.runlog import RunLog
+from lowcomm.runtime.state_transfer import StateHolder
+from lowcomm.transport.control import ControlPlane
+from lowcomm.transport.identity import Identity, owner_marker_from_text, peer_id_of
+from lowcomm.transport.service import PeerService
+from lowcomm.transport.shaper import LinkShaper
+from lowcomm.transport.wire import Channels, Traffic, deadline_after, start_server
+
+logger = logging.getLogger(__name__)
+SERVER_GRACE_S = 1.0
+
+
+def round_timeout(sync) -> float:
+    """How long a peer waits for a round of its own before it gives it up (`sync` is the [sync] section)."""
+    return sync.reduce_timeout_s * 3 + sync.announce_s + sync.manifest_s * 8
+
+
+class PeerContext:
+    def __init__(self, options):
+        self.options = options
+        self.identity = Identity.generate()
+        self.me = self.identity.peer_id
+        self.faults = FaultPlan.parse(options.fault)
+        self.stop = threading.Event()
+        self.stop_signal: tuple[str, float] | None = None  # (SIGTERM or SIGINT, when it came): a leave
+        self.traffic = Traffic(LinkShaper(options.link) if options.link is not None else None)
+        self.log = RunLog(options.run_dir / "peers" / f"{self.me}.jsonl" if options.run_dir else None, self.me)
+        self.control: ControlPlane | None = None
+        self.server = None  # the gRPC server
+        self.channels: Channels | None = None
+        self.compute_seconds = lambda: 0.0  # set by whoever computes (the trainer, the stage server)
+        self.closed = False
+
+    def open(self) -> None:
+        """DHT, the signed run config, the gRPC server, the reachability check and the state holder."""
+        o = self.options
+        self.control = ControlPlane.start(self.identity, o.run_name, initial_peers=o.coordinator,
+                                          host=o.dht_host or o.host)
+        self.config, _ = fetch_run_config(self.control, owner_marker_from_text(o.run_key))
+        torch.set_num_threads(1)
+        sync = self.config.sync
+        self.channels = Channels(sync.chunk_bytes)
+        self.service = PeerService(self.me, self.traffic, self.channels)
+        self.service.on_error = lambda method, error: self.log.event("reject", method=method, error=error[:200])
+        self.server, port = start_server(self.service, o.host, o.port, sync.chunk_bytes)
+        self.endpoint = o.announce_addr or f"{o.host}:{port}"
+        self.client_mode = o.client_mode if o.client_mode is not None else not self._reachable()
+        self.holder = StateHolder(o.run_name, sync.chunk_bytes)
+        self.service.state_handler = self.holder.serve
+        self.service.checkpointer = peer_id_of(owner_marker_from_text(o.run_key))
+
+    def _reachable(self) -> bool:
+        """Asks a known peer (or the coordinator) to dial us back; no answer means client mode."""
+        for record in self.control.live_peers().values():
+            try:
+                request, timeout = wire_pb2.PingRequest(sender=self.me, dial_back=self.endpoint), 10.0
+                deadline = deadline_after(timeout)
+                self.traffic.count_sent(request, deadline)
+                reply = self.channels.stub(record.endpoint).Ping(request, timeout=timeout)
+                self.traffic.count_received(reply, deadline)
+                return reply.dial_back_ok
+            except Exception as e:  # any failure of the helper: try the next one
+                logger.info("reachability check through %s failed: %s", record.endpoint, e)
+        return True  # nobody to ask: we are the first, others will dial us
+
+    def install_signal_handlers(self) -> None:
+        def request_stop(signum, _frame):
+            self.stop_signal = (signal.Signals(signum).name, time.time())
+            self.stop.set()
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, request_stop)
+            signal.signal(signal.SIGTERM, request_stop)
+
+    def log_leave(self) -> None:
+        if self.stop_signal is not None:
+            self.log.event("leave", signal=self.stop_signal[0], signal_t=self.stop_signal[1])
+
+    def close(self) -> None:
+        """Stops the gRPC server (within its grace), the channels and the DHT, then writes the exit record."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.traffic.link is not None:
+            self.traffic.link.close()  # nothing waits on the emulated link any longer
+        stopped = False
+        for name, close in (("server", self._stop_server), ("channels", lambda: self.channels.close()),
+                            ("control", lambda: self.control.shutdown())):
+            try:
+                if getattr(self, name) is not None:
+                    result = close()
+                    stopped = stopped or (name == "server" and bool(result))
+            except Exception as e:
+                logger.info("closing %s: %s", name, e)
+        self.log.event("exit", bytes_sent=self.traffic.sent, checkpoint_bytes=self.traffic.checkpoint_sent,
+                       compute_s=self.compute_seconds(), server_stopped=stopped)
+        self.log.close()
+
+    def _stop_server(self) -> bool:
+        return self.server.stop(grace=SERVER_GRACE_S).wait(2 * SERVER_GRACE_S)

@@ -1,0 +1,81 @@
+"""A peer's presence in the run: its DHT record, the heartbeat that refreshes it, announcing ahead, leaving.
+
+The record (transport.control.PeerRecord) says where the peer listens, what it does (`parked`,
+`joining`, `training`, `leaving`), its round, step and throughput; ``fill(record)`` (the owner's
+callback) refreshes the numbers before each publication. A record expires `sync.record_ttl_s`
+after its last heartbeat, so a killed peer vanishes by itself; a peer that leaves expires it at
+once and withdraws the round it announced ahead, so that round's leader need not wait for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from lowcomm.collectives.base import Collective, GroupKey
+from lowcomm.runtime.context import PeerContext
+from lowcomm.transport.control import PeerRecord
+
+logger = logging.getLogger(__name__)
+START_BARRIER_S = 3600.0
+
+
+class Membership:
+    def __init__(self, ctx: PeerContext, record: PeerRecord, fill: Callable[[PeerRecord], None] = lambda r: None):
+        self.ctx = ctx
+        self.record = record
+        self.fill = fill
+        self.announced = -1  # the last round announced ahead of its start (withdrawn if the peer leaves)
+        self._collective: Collective | None = None
+        self._key: GroupKey | None = None
+        self._stop = threading.Event()
+
+    def start_heartbeat(self) -> None:
+        def beat():
+            while not self._stop.wait(self.ctx.config.sync.heartbeat_s):
+                self.publish()
+        self.publish()
+        threading.Thread(target=beat, daemon=True, name="heartbeat").start()
+
+    def publish(self) -> None:
+        try:
+            self.fill(self.record)
+            self.ctx.control.publish_peer(self.record, self.ctx.config.sync.record_ttl_s)
+        except Exception as e:  # a heartbeat must never kill training
+            logger.warning("heartbeat failed: %s", e)
+
+    def set(self, **fields) -> None:
+        """Updates record fields and publishes at once (a state change others must see now)."""
+        for name, value in fields.items():
+            setattr(self.record, name, value)
+        self.publish()
+
+    def announce_ahead(self, collective: Collective, key: GroupKey, round_: int) -> None:
+        collective.announce_ahead(key, round_)
+        self.announced, self._collective, self._key = round_, collective, key
+
+    def leave(self, current_round: int) -> None:
+        """Stops the heartbeat, expires the record and withdraws an announcement of a round not yet run."""
+        self._stop.set()
+        try:
+            self.record.state = "leaving"
+            self.ctx.control.expire_peer()
+            if self._collective is not None and self.announced >= current_round:
+                self._collective.withdraw_ahead(self._key, self.announced)  # its leader need not wait for us
+        except Exception as e:
+            logger.info("could not expire the peer record: %s", e)
+
+    def wait_for_start(self) -> None:
+        """Parks a simulated peer, fully started, until the launcher releases all peers at once."""
+        start_file = self.ctx.options.start_file
+        if start_file is None:
+            return
+        self.ctx.log.event("ready")
+        deadline = time.monotonic() + START_BARRIER_S
+        while not start_file.exists() and not self.ctx.stop.is_set():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"start barrier {start_file} never appeared")
+            self.ctx.stop.wait(0.05)
+        self.set(state="joining")  # at once: the first round waits for every peer whose record is due

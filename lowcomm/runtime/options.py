@@ -1,0 +1,155 @@
+"""A peer's own options (`peer join`): where it listens, which device it trains on, how others reach it.
+
+They come from three places, each overriding the one before: the defaults below, the [peer] table
+of a profile (`peer join --config peer.toml`; ready ones in the top-level peers/ folder), and the
+flags the user actually typed. A profile's keys are PeerOptions' field names:
+
+    [peer]
+    device = "cuda:0"
+    host = "0.0.0.0"
+    port = 31337
+    client_mode = true
+
+An unknown key or a value of the wrong type is refused with one line naming it (the CLI exits 2).
+The run config (model, batch, algorithm) is not a peer option: every peer fetches it, signed,
+from the coordinator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tomllib
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lowcomm.config import ConfigError
+from lowcomm.transport.shaper import LinkSpec, parse_link_option
+
+DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+REQUIRED = {"coordinator": "--coordinator MULTIADDR", "run_key": "--run-key KEY"}
+FLAG_OF = {"run_name": "--run"}  # the flags not named after their field
+
+
+@dataclass
+class PeerOptions:
+    coordinator: list[str]
+    run_key: str
+    run_name: str = "lowcomm-default"
+    host: str = "127.0.0.1"
+    port: int = 0
+    announce_addr: str | None = None
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    client_mode: bool | None = None  # None: decided by a dial-back check at join
+    data_shard: int | None = None
+    num_shards: int = 64
+    run_dir: Path | None = None
+    fault: str | None = None  # test hooks: "stall-sync@R" blocks inside round R's reduce (or exchange),
+    # "late-announce@R" announces round R only after its manifest was written without this peer;
+    # "late-start@R" announces R ahead as usual but starts R's sync only once its manifest exists;
+    # "drift-phi@R" moves every φ value by 1e-3 after round R (the drift check's tests);
+    # "@R+" instead of "@R": every round from R on, so a stall comes in the first round from R this
+    # peer is a member of (one left out of round R on a loaded machine never reaches R's reduce)
+    start_file: Path | None = None  # simulate's start barrier: train once this file exists
+    link: LinkSpec | None = None  # emulated access link for all data-plane traffic (None: unshaped)
+    dht_host: str | None = None  # address the DHT (p2pd) listens on; None: `host`
+    stage: int | None = None  # pipelines: the stage to start serving from φ_0 (simulate's initial placement)
+    slowdown: float = 1.0  # pipelines, emulation: each computation keeps the peer busy this many times as long
+
+
+def read_profile(path: str | Path) -> dict[str, Any]:
+    """The [peer] table of a profile, each value converted to its field's type."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"peer profile {path} does not exist") from None
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"peer profile {path} is not valid TOML: {e}") from None
+    extra = sorted(set(raw) - {"peer"})
+    if extra:
+        raise ConfigError(f"{path}: unknown table or key {extra[0]!r}; a peer profile holds one [peer] table")
+    table = raw.get("peer", {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: peer must be a [peer] table")
+    return {name: convert(name, value, f"{path}: peer.{name}") for name, value in table.items()}
+
+
+def peer_options(profile: dict[str, Any], flags: dict[str, Any]) -> PeerOptions:
+    """Defaults < profile < flags; a flag left out (None) keeps what the profile or default says."""
+    given = {name: convert(name, value, FLAG_OF.get(name, f"--{name.replace('_', '-')}"))
+             for name, value in flags.items() if value is not None}
+    values = {**profile, **given}
+    missing = [flag for name, flag in REQUIRED.items() if name not in values]
+    if missing:
+        raise ConfigError(f"peer join needs {' and '.join(missing)} (a flag, or in the [peer] table of --config)")
+    options = PeerOptions(**values)
+    check(options)
+    return options
+
+
+def check(o: PeerOptions) -> None:
+    """Values of the right type that still cannot work."""
+    for name, ok, allowed in (
+            ("device", DEVICE.match(o.device), "auto, cpu, cuda or cuda:N"),
+            ("port", 0 <= o.port <= 65535, "in [0, 65535] (0: any free port)"),
+            ("num_shards", o.num_shards >= 1, ">= 1"),
+            ("data_shard", o.data_shard is None or 0 <= o.data_shard < o.num_shards, f"in [0, num_shards = {o.num_shards})"),
+            ("stage", o.stage is None or o.stage >= 0, ">= 0"),
+            ("slowdown", o.slowdown >= 1, ">= 1")):
+        if not ok:
+            raise ConfigError(f"{name} = {getattr(o, name)!r}: must be {allowed}")
+
+
+def convert(name: str, value: Any, where: str) -> Any:
+    """`value` as the type of PeerOptions' field `name`; ConfigError naming `where` otherwise."""
+    hints = typing.get_type_hints(PeerOptions)
+    if name not in hints:
+        raise ConfigError(f"{where}: unknown key; known: {', '.join(f.name for f in dataclasses.fields(PeerOptions))}")
+    kind = _without_none(hints[name])
+    try:
+        return _CONVERTERS[kind](value)
+    except (TypeError, ValueError) as e:
+        detail = f" ({e})" if str(e) else ""
+        raise ConfigError(f"{where} = {value!r}: expected {_EXPECTED[kind]}{detail}") from None
+
+
+def _without_none(hint: Any) -> Any:
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        (kind,) = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        return kind
+    return hint
+
+
+def _exactly(*kinds: type):
+    def check(value: Any) -> Any:
+        if isinstance(value, bool) != (bool in kinds) or not isinstance(value, kinds):
+            raise TypeError
+        return value
+    return check
+
+
+def _strings(value: Any) -> list[str]:
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+        raise TypeError
+    return list(value)
+
+
+def _link(value: Any) -> LinkSpec | None:
+    return parse_link_option(_exactly(str)(value))  # ValueError for a malformed spec; "none": unshaped
+
+
+_CONVERTERS = {
+    str: _exactly(str),
+    bool: _exactly(bool),
+    int: _exactly(int),
+    float: lambda v: float(_exactly(int, float)(v)),
+    Path: lambda v: Path(_exactly(str, Path)(v)),
+    list[str]: _strings,
+    LinkSpec: _link,
+}
+_EXPECTED = {str: "a string", bool: "true or false", int: "an integer", float: "a number", Path: "a path (string)",
+             list[str]: "a non-empty list of strings", LinkSpec: "a link RATE[:LATENCY] such as \"20mbit:80ms\""}
