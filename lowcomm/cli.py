@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -10,6 +11,7 @@ import time
 from pathlib import Path
 
 from lowcomm.config import ALGOS, ConfigError, load_config
+from lowcomm.runtime.options import PeerOptions, peer_options, read_profile
 
 
 def _add_coordinator(sub) -> None:
@@ -28,27 +30,37 @@ def _add_coordinator(sub) -> None:
 
 def _add_peer(sub) -> None:
     peer = sub.add_parser("peer", help="a volunteer peer").add_subparsers(dest="action", required=True)
-    join = peer.add_parser("join", help="join a run and train")
-    join.add_argument("--coordinator", required=True, action="append", help="multiaddr of the coordinator or any peer")
-    join.add_argument("--run-key", required=True, help="the coordinator's public key, from its join command")
-    join.add_argument("--run", default="lowcomm-default", help="run name, from the join command")
-    join.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    join.add_argument("--config", type=Path, help="peer profile (TOML): reserved for per-peer settings")
-    join.add_argument("--host", default="127.0.0.1", help="address the data plane listens on")
-    join.add_argument("--port", type=int, default=0)
+    join = peer.add_parser("join", help="join a run and train", description=(
+        "Every option can also come from a peer profile (--config peer.toml, a [peer] table whose keys are the "
+        "option names with underscores, e.g. run_key, client_mode); the flags given override it. Ready profiles "
+        "are in the project's peers/ folder."))
+    default = {f.name: f.default for f in dataclasses.fields(PeerOptions)}
+    # Every default is None here: a flag left out keeps what the profile (or PeerOptions) says.
+    join.add_argument("--coordinator", action="append", metavar="MULTIADDR", help="multiaddr of the coordinator or any peer (required, "
+                      "here or in the profile; repeat it for several)")
+    join.add_argument("--run-key", metavar="KEY", help="the coordinator's public key, from its join command (required, here or in "
+                      "the profile)")
+    join.add_argument("--run", dest="run_name", metavar="NAME", help=f"run name, from the join command (default: {default['run_name']})")
+    join.add_argument("--device", metavar="auto|cpu|cuda[:N]", help=f"what to train on (default: {default['device']}: "
+                      "a GPU if torch sees one)")
+    join.add_argument("--config", type=Path, metavar="PEER.TOML", help="peer profile (TOML): a [peer] table of these options; flags "
+                      "override it (see peers/*.toml)")
+    join.add_argument("--host", help=f"address the data plane listens on (default: {default['host']})")
+    join.add_argument("--port", type=int, help=f"data plane port (default: {default['port']}, any free one)")
     join.add_argument("--dht-host", help="address the DHT (p2pd) listens on (default: --host)")
     join.add_argument("--announce-addr", help="host:port other peers should dial (behind NAT or a proxy)")
-    join.add_argument("--client-mode", action="store_true", default=None,
+    join.add_argument("--client-mode", action=argparse.BooleanOptionalAction,
                       help="contribute without serving (for peers others cannot dial); detected if not given")
     join.add_argument("--data-shard", type=int, help="which data shard to read (default: from the peer id)")
-    join.add_argument("--num-shards", type=int, default=64)
+    join.add_argument("--num-shards", type=int, help=f"how many shards the training data is cut into (default: "
+                      f"{default['num_shards']})")
     join.add_argument("--run-dir", type=Path, help="where to append this peer's JSONL records")
     join.add_argument("--link", metavar="RATE[:LATENCY]",
                       help="emulate this access link for all data-plane traffic, e.g. 20mbit:80ms, or "
                            "unlimited:80ms for latency only (default: none)")
     join.add_argument("--stage", type=int, help="pipelined runs: serve this stage from the run's initial weights "
                       "(simulate's initial placement; default: the stage that needs a newcomer most)")
-    join.add_argument("--slowdown", type=float, default=1.0, help=argparse.SUPPRESS)  # emulates a slower device
+    join.add_argument("--slowdown", type=float, help=argparse.SUPPRESS)  # emulates a slower device
     join.add_argument("--fault", help=argparse.SUPPRESS)
     join.add_argument("--start-file", type=Path, help=argparse.SUPPRESS)
 
@@ -129,23 +141,15 @@ def coordinator_start(args) -> int:
 
 
 def peer_join(args) -> int:
-    from lowcomm.runtime.peer import Peer, PeerOptions
-    from lowcomm.transport.shaper import parse_link_option
+    from lowcomm.runtime.peer import Peer
 
-    try:
-        link = parse_link_option(args.link)
-    except ValueError as e:
-        raise ConfigError(f"--link: {e}") from None
-    unsupported = [name for name in ("config",) if getattr(args, name)]
-    if unsupported:
-        print("lowcomm: peer profiles (--config) are not read yet; the run config comes from the coordinator",
-              file=sys.stderr)
-    options = PeerOptions(coordinator=args.coordinator, run_key=args.run_key, run_name=args.run, host=args.host,
-                          port=args.port, announce_addr=args.announce_addr, device=args.device,
-                          client_mode=args.client_mode, data_shard=args.data_shard, num_shards=args.num_shards,
-                          run_dir=args.run_dir, fault=args.fault, start_file=args.start_file, link=link,
-                          dht_host=args.dht_host, stage=args.stage, slowdown=args.slowdown)
-    return Peer(options).run()
+    return Peer(peer_options_of(args)).run()
+
+
+def peer_options_of(args) -> PeerOptions:
+    """The profile's [peer] table (--config), overridden by the flags given (those not None)."""
+    profile = read_profile(args.config) if args.config is not None else {}
+    return peer_options(profile, {f.name: getattr(args, f.name) for f in dataclasses.fields(PeerOptions)})
 
 
 def simulate(args) -> int:
