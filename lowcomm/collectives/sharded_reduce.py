@@ -14,7 +14,6 @@ owners' contributor lists, so every member sees the same failure and re-forms th
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass

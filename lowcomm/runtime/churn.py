@@ -39,7 +39,8 @@ from typing import TYPE_CHECKING, Callable
 from lowcomm.runtime.runlog import RunLog
 
 if TYPE_CHECKING:
-    from lowcomm.runtime.sim import Process, Simulation
+    from lowcomm.runtime.processes import Process
+    from lowcomm.runtime.sim import Simulation
 
 logger = logging.getLogger(__name__)
 ACTIONS = ("kill", "leave", "join", "killstage")

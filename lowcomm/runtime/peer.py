@@ -29,7 +29,7 @@ from lowcomm.runtime.faults import Fault
 from lowcomm.runtime.membership import Membership
 from lowcomm.runtime.options import PeerOptions
 from lowcomm.runtime.progress import Progress
-from lowcomm.runtime.state_sync import StateSync, drift_sources  # noqa: F401  (drift_sources: its tests)
+from lowcomm.runtime.state_sync import StateSync
 from lowcomm.runtime.trainer import LocalTrainer, pick_device
 from lowcomm.transport.control import PeerRecord
 

@@ -35,14 +35,14 @@ from lowcomm.collectives.sharded_reduce import ShardedReduce
 from lowcomm.data.corpus import load_corpus
 from lowcomm.data.loader import TokenShard, heldout_batches
 from lowcomm.pipeline.driver import Driver, StageEntry, StageUnavailable
-from lowcomm.pipeline.rebalance import Placement, joiner_stage, plan_move
+from lowcomm.pipeline.rebalance import joiner_stage
 from lowcomm.pipeline.routing import StageRouter
 from lowcomm.pipeline.server import StageServer
 from lowcomm.pipeline.stages import initial_stage
 from lowcomm.runtime.context import PeerContext, round_timeout
-from lowcomm.runtime.faults import Fault
 from lowcomm.runtime.membership import Membership
 from lowcomm.runtime.stage_checkpoints import StageCheckpoints
+from lowcomm.runtime.stage_moves import StageMoves
 from lowcomm.runtime.stage_state import StageState
 from lowcomm.runtime.trainer import pick_device
 from lowcomm.transport.control import PeerRecord
@@ -59,10 +59,8 @@ class StagePeer:
         self.round, self.tokens_global, self.driver_steps, self.rounds_done = 0, 0, 0, 0
         self.done_at = 0.0
         self.final_round: int | None = None
-        self._rebalance_hook_fired = False
         self._evaluation: threading.Thread | None = None
         self._final_scored = False
-        self._empty_streak = 0  # consecutive checks that found a stage with no replica
         self.tokens_per_step = cfg.inner.batch_size * cfg.model.context
         shard = o.data_shard if o.data_shard is not None else int(self.me, 16) % o.num_shards
         corpus = load_corpus(cfg.data)
@@ -88,6 +86,7 @@ class StagePeer:
         self.checkpoints = checkpoints
         self.state = StageState(ctx, self.membership, self.server, self.collective, checkpoints, self._stage_records,
                                 lambda: self._round_at(get_dht_time()), lambda: (self.round, self.tokens_global))
+        self.moves = StageMoves(ctx, self.state, self.server, self._stage_records)
         self.router = StageRouter(random.Random(f"{cfg.run.seed}-{self.me}"))
         self.driver = Driver(o.run_name, self.me, self.stages, cfg.pipeline.replicate_ends, self.router,
                              ctx.channels, ctx.traffic, self._directory, lambda: self.server, cfg.pipeline.hop_timeout_s,
@@ -124,19 +123,6 @@ class StagePeer:
                                                                  time.monotonic() + ttl)
         return out
 
-    def _placements(self) -> list[Placement]:
-        """Who serves what, as the DHT records say (this peer's own record too, so every peer plans from the
-        same numbers); a newcomer's unknown throughput is taken as the median of the known ones."""
-        records = {r.peer_id: r for r in self._stage_records()}
-        known = sorted(r.throughput for r in records.values() if r.throughput > 0)
-        default = known[len(known) // 2] if known else 1.0
-        out = [Placement(r.peer_id, r.stage, r.throughput or default) for r in records.values() if r.peer_id != self.me]
-        if self.stage >= 0:
-            mine = records.get(self.me)
-            throughput = mine.throughput if mine is not None and mine.stage == self.stage else self.server.throughput
-            out.append(Placement(self.me, self.stage, throughput or default))
-        return out
-
     # ---- the loop ---------------------------------------------------------------------------
 
     def run(self) -> int:
@@ -161,7 +147,7 @@ class StagePeer:
             self.state.take(self.ctx.options.stage, "seed")
             return
         self.ctx.stop.wait(2 * self.config.sync.heartbeat_s)  # see the others' records first
-        self.state.take(joiner_stage(self._placements(), self.stages), "join")
+        self.state.take(joiner_stage(self.moves.placements(), self.stages), "join")
 
     def _round_start(self, round_: int) -> float:
         return self.ctx.control.run_epoch + round_ * self.config.pipeline.round_s
@@ -187,7 +173,7 @@ class StagePeer:
             final = self.final_round is not None and round_ >= self.final_round
             self._maybe_evaluate_pipeline(round_, final)
             if not final:
-                self._maybe_move(round_)
+                self.moves.maybe_move(round_, self.rounds_done)
         if self.final_round is not None and not self.ctx.stop.is_set():
             self._await_final_evaluation()
         self.ctx.log.event("done" if self.final_round is not None else "stopped", round=self.round)
@@ -305,47 +291,6 @@ class StagePeer:
         self._final_scored = self._final_scored or final
         self.ctx.log.write("eval", round=round_ + 1, step=self.driver_steps, tokens=tokens * self.tokens_per_step,
                        loss=loss, final=final)
-
-    def _maybe_move(self, round_: int) -> None:
-        """A move when a stage is empty, every rebalance_every_rounds rounds, or at the `rebalance@R` hook.
-
-        Every peer computes the same plan from the same records, so one peer moves. If a stage stays
-        empty (its planned mover is stuck or gone before its record expired), each further check
-        plans without one more of the movers planned before.
-        """
-        p = self.config.pipeline
-        placements = self._placements()
-        empty = any(not [q for q in placements if q.stage == s] for s in range(self.stages))
-        self._empty_streak = self._empty_streak + 1 if empty else 0
-        periodic = p.rebalance_every_rounds > 0 and round_ % p.rebalance_every_rounds == 0
-        hook = self._hook_due()
-        if not (empty or periodic or hook):
-            return
-        if not empty and any(r.stage_state == "joining" for r in self._stage_records()):
-            return  # a move is under way: plan again once its throughput is known where it went
-        skipped: set[str] = set()
-        for _ in range(max(1, self._empty_streak)):
-            plan = plan_move([q for q in placements if q.peer_id not in skipped], self.stages, p.hysteresis)
-            if plan is None or plan[0] == self.me:
-                break
-            skipped.add(plan[0])
-        if plan is None or plan[0] != self.me:
-            return
-        _, source, target = plan
-        self.ctx.log.event("rebalance", stage=target, previous=source, round=round_,
-                       reason="empty stage" if empty else ("hook" if hook else "throughput"), skipped=sorted(skipped),
-                       throughputs={str(s): round(sum(q.throughput for q in placements if q.stage == s), 3)
-                                    for s in range(self.stages)})
-        self._empty_streak = 0
-        self.state.take(target, "move")
-
-    def _hook_due(self) -> bool:
-        """The test hook `rebalance@N`: one rebalancing check after this peer's N-th round."""
-        faults = self.ctx.faults
-        if self._rebalance_hook_fired or faults.kind is not Fault.REBALANCE:
-            return False
-        self._rebalance_hook_fired = self.rounds_done >= faults.round
-        return self._rebalance_hook_fired
 
     # ---- the driver -------------------------------------------------------------------------
 

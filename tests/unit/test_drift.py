@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from lowcomm.runtime.peer import drift_sources
+from lowcomm.runtime.state_sync import drift_sources
 
 
 def test_the_agreed_hash_is_the_majority_and_a_tie_goes_to_the_smallest_peer_id():
