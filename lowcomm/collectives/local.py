@@ -138,6 +138,8 @@ class LocalGroup:
             raise CollectiveError(f"round {round_}: no member holds a result to catch up on")
         replies = [slot.result() for slot in state.slots]  # the bytes every member finished
         contributors = sorted(set.intersection(*(set(c) for _, c in replies)))
+        if not contributors:  # as the network's catch-up: nobody holds a reduced shard to fetch
+            raise CollectiveError(f"round {round_}: no member's contribution made it; nothing to catch up on")
         aggregate = torch.cat([self.combiner.finish(blob, slot.bounds)
                                for (blob, _), slot in zip(replies, state.slots)])
         return RoundResult(aggregate, contributors, list(state.manifest.members),
