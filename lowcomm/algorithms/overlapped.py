@@ -1,7 +1,7 @@
 """One-step-delay overlap on the real collective: round t's reduce runs during round t+1's inner steps.
 
 Wraps a DiLoCo or SparseLoCo replica (``OuterReplica``) and runs ALGORITHMS.md §1's recurrence
-with algorithms.overlap's pure helpers:
+with algorithms.overlap's `OneStepDelay` (the recurrence the golden tests pin):
 
     sync(t):  Δ_t = s_t − θ (θ = e_t, the end of round t's inner steps);  start the reduce of Δ_t
               wait for round t−1's reduce (if any) → the outer step gives φ_{t−1}
@@ -39,7 +39,7 @@ import torch
 
 from lowcomm.algorithms.base import Replica, RoundDropped, RoundFailed
 from lowcomm.algorithms.outer import OuterReplica
-from lowcomm.algorithms.overlap import next_start, progress
+from lowcomm.algorithms.overlap import OneStepDelay
 from lowcomm.collectives.base import CollectiveError, NotInRound, RoundResult
 
 POLL_S = 0.1
@@ -64,12 +64,20 @@ class Overlapped(Replica):
         self.inner = inner
         self.manifest_of = manifest_of
         self.start = self._theta()  # s_1 = φ_0
-        self.pending: tuple[int, object] | None = None
+        self.delay = OneStepDelay()  # the recurrence's bookkeeping: (round, handle) of the reduce in flight
         self._landed_mark: int | None = None  # the meter when a round last landed
 
     @property
     def phi(self):
         return self.inner.phi
+
+    @property
+    def pending(self) -> tuple[int, object] | None:
+        return self.delay.pending
+
+    @pending.setter
+    def pending(self, value: tuple[int, object] | None) -> None:
+        self.delay.pending = value
 
     # ---- the schedule ------------------------------------------------------------------------
 
@@ -155,22 +163,32 @@ class Overlapped(Replica):
     # ---- the recurrence ----------------------------------------------------------------------
 
     def sync(self, round_: int, weight: float, timeout: float | None = None) -> RoundResult | None:
-        delta = progress(self.start, self._theta())
-        handle = self.inner.start_sync_delta(round_, delta, weight)
+        """Round t's reduce starts; round t − 1's lands (returned; None at the first round); θ ← s_{t+1}."""
+        launched, finished = [], []
+
+        def launch(delta: list[torch.Tensor]) -> tuple[int, object]:
+            launched.append((round_, self.inner.start_sync_delta(round_, delta, weight)))
+            return launched[0]
+
         try:
-            finished = self._finish(timeout)
-        finally:
-            self.pending = (round_, handle)
-        self.start = next_start(self.inner.phi, delta)
+            self.start = self.delay.round(self.start, self._theta(), self.inner.phi, launch,
+                                          lambda pending: self._land_pending(pending, timeout, finished))
+        except BaseException:
+            self.pending = launched[0] if launched else None  # the round begun is the one in flight
+            raise
         self._load(self.start)
-        return finished
+        return finished[0] if finished else None
 
     def drain(self, timeout: float | None = None) -> RoundResult | None:
         """Completes the last reduce and sets θ ← φ: the end of training."""
-        finished = self._finish(timeout)
+        finished = []
+        try:
+            self.delay.drain(self.inner.phi, lambda pending: self._land_pending(pending, timeout, finished))
+        finally:
+            self.pending = None
         self.inner.load_phi_into_model()
         self.start = self._theta()
-        return finished
+        return finished[0] if finished else None
 
     @contextlib.contextmanager
     def global_model(self):
@@ -182,11 +200,10 @@ class Overlapped(Replica):
         finally:
             self._load(theta)
 
-    def _finish(self, timeout: float | None) -> RoundResult | None:
-        if self.pending is None:
-            return None
-        round_, handle = self.pending
-        self.pending = None
+    def _land_pending(self, pending: tuple[int, object], timeout: float | None,
+                      finished: list[RoundResult]) -> list[torch.Tensor]:
+        """Waits for a pending round (a late one is fetched from its members), steps φ, returns φ."""
+        round_, handle = pending
         try:
             result = handle.result(timeout)
         except NotInRound as late:
@@ -196,7 +213,8 @@ class Overlapped(Replica):
             result.info["caught_up"] = True
         self.inner.step_outer(result)
         result.info["round"] = round_
-        return result
+        finished.append(result)
+        return self.inner.phi
 
     def _theta(self) -> list[torch.Tensor]:
         return [p.detach().to("cpu", torch.float32).clone() for p in self.inner.model.parameters()]
