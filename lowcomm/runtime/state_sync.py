@@ -46,7 +46,7 @@ class StateSync:
 
     def round_boundary_for(self, completed: int) -> int:
         """The first round at which a newcomer can enter when others hold `completed` rounds."""
-        if self.config.per_step:
+        if self.replica.per_step:
             epoch = self.config.ddp.epoch_steps
             return (completed // epoch + 1) * epoch
         return completed + 1
@@ -58,7 +58,7 @@ class StateSync:
 
     def publish_round(self) -> None:
         """φ's hash (the drift check) and the state snapshot (joiners) under the round reached."""
-        r, per_step = self.replica, self.config.per_step
+        r, per_step = self.replica, self.replica.per_step
         if r.shared_phi and (not per_step or r.round % self.config.ddp.epoch_steps == 0):
             self.ctx.control.publish_phi_hash(r.key.group, r.round, r.phi_hash(), self.config.sync.record_ttl_s * 6)
         if not per_step:  # ddp's state is complete only after the optimizer step: it snapshots at epoch starts
