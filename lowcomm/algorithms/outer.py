@@ -14,6 +14,7 @@ next round's leader is a member whose contribution is awaited.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -91,3 +92,19 @@ class OuterReplica(Replica):
 
     def phi_hash(self) -> str:
         return tensors_hash(self.phi)
+
+    @contextmanager
+    def global_model(self):
+        """φ in the model for the duration (evaluation of the global model), then the live θ back.
+
+        Between two rounds θ has moved on from φ (and Streaming DiLoCo keeps a live θ apart from φ
+        all along): the final evaluation of a run whose steps are not a multiple of H scores φ."""
+        params = list(self.model.parameters())
+        saved = [p.detach().clone() for p in params]
+        self.load_phi_into_model()
+        try:
+            yield self.model
+        finally:
+            with torch.no_grad():
+                for p, s in zip(params, saved):
+                    p.copy_(s)

@@ -23,7 +23,6 @@ waited for at the apply step.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -169,16 +168,3 @@ class StreamingDiLoCo(DiLoCo):
         theta = [params[i] for i in self.members[fragment]]
         for live, merged in zip(theta, streaming.merge(phi, theta, self.alpha)):
             live.copy_(merged.to(live.device))
-
-    @contextmanager
-    def global_model(self):
-        """φ in the model for the duration (evaluation of the global model), then the live θ back."""
-        params = list(self.model.parameters())
-        saved = [p.detach().clone() for p in params]
-        self.load_phi_into_model()
-        try:
-            yield self.model
-        finally:
-            with torch.no_grad():
-                for p, s in zip(params, saved):
-                    p.copy_(s)
