@@ -141,9 +141,15 @@ def coordinator_start(args) -> int:
 
 
 def peer_join(args) -> int:
+    from lowcomm.runtime.faults import FaultPlan
     from lowcomm.runtime.peer import Peer
 
-    return Peer(peer_options_of(args)).run()
+    options = peer_options_of(args)
+    try:
+        FaultPlan.parse(options.fault)
+    except ValueError as e:
+        raise ConfigError(f"--fault: {e}") from None
+    return Peer(options).run()
 
 
 def peer_options_of(args) -> PeerOptions:
