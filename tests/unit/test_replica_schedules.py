@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from threads import in_threads
 from torch import nn
 
 from lowcomm.algorithms.base import ReplicaSpec, RoundFailed, SyncHooks
@@ -105,27 +106,6 @@ class Track:
 
     def rounds(self) -> list[tuple[int, object]]:
         return [(x.round, x.step) for x in self.landed]
-
-
-def in_threads(work, count: int) -> list:
-    """``work(r)`` for every replica r in its own thread; returns their results, re-raises the first failure."""
-    results, errors = [None] * count, []
-
-    def run(r):
-        try:
-            results[r] = work(r)
-        except BaseException as e:  # noqa: BLE001 - reported below, in the test's thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(r,), name=f"replica-{r}") for r in range(count)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(WAIT_S)
-    assert not any(t.is_alive() for t in threads), "a replica never finished its loop"
-    if errors:
-        raise errors[0]
-    return results
 
 
 def replicas_of(name: str, config: RunConfig, group, tracks: list[Track], models=None, tokens=None, **spec):

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from golden import FIXTURES, assert_close, tensor
+from threads import in_threads
 from torch import nn
 
 from lowcomm.algorithms.base import ReplicaSpec, SyncHooks
@@ -126,26 +127,6 @@ def local_group(name: str, config: RunConfig, shapes, replicas: int) -> LocalGro
     algo = algorithm(name)
     assert algo.exchange == REDUCE
     return LocalGroup(replicas, combiner=algo.combiner(config, shapes), codec=algo.codec(config), timeout_s=GROUP_S)
-
-
-def in_threads(work, count: int) -> None:
-    """``work(r)`` for every replica r in its own thread; re-raises the first failure."""
-    errors: list[BaseException] = []
-
-    def run(r):
-        try:
-            work(r)
-        except BaseException as e:  # noqa: BLE001 - reported below, in the test's thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(r,), name=f"replica-{r}") for r in range(count)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(WAIT_S)
-    assert not any(t.is_alive() for t in threads), "a replica never finished its loop"
-    if errors:
-        raise errors[0]
 
 
 def drive_rounds(replicas, models, grads, inner_lr: float, tracks: list[Track], finish: bool = False) -> None:
