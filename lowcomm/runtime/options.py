@@ -47,12 +47,7 @@ class PeerOptions:
     data_shard: int | None = None
     num_shards: int = 64
     run_dir: Path | None = None
-    fault: str | None = None  # test hooks: "stall-sync@R" blocks inside round R's reduce (or exchange),
-    # "late-announce@R" announces round R only after its manifest was written without this peer;
-    # "late-start@R" announces R ahead as usual but starts R's sync only once its manifest exists;
-    # "drift-phi@R" moves every φ value by 1e-3 after round R (the drift check's tests);
-    # "@R+" instead of "@R": every round from R on, so a stall comes in the first round from R this
-    # peer is a member of (one left out of round R on a loaded machine never reaches R's reduce)
+    fault: str | None = None  # a test hook, KIND@ROUND (runtime.faults)
     start_file: Path | None = None  # simulate's start barrier: train once this file exists
     link: LinkSpec | None = None  # emulated access link for all data-plane traffic (None: unshaped)
     dht_host: str | None = None  # address the DHT (p2pd) listens on; None: `host`
