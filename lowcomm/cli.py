@@ -22,7 +22,7 @@ def _add_coordinator(sub) -> None:
     start.add_argument("--port", type=int, default=0, help="DHT port (0 picks a free one)")
     start.add_argument("--dht-host", help="address the DHT (p2pd) listens on (default: --host)")
     start.add_argument("--dashboard-port", type=int, default=None, help="reserved for the status page (not yet served)")
-    start.add_argument("--run-dir", type=Path, default=Path("lowcomm-runs/coordinator"),
+    start.add_argument("--run-dir", type=Path, default=Path("runs/coordinator"),
                        help="where the coordinator keeps its key and checkpoints")
     start.add_argument("--resume", type=Path, help="restart the swarm from a checkpoint folder")
     start.add_argument("--ready-file", type=Path, help=argparse.SUPPRESS)
@@ -80,7 +80,8 @@ def _add_simulate(sub) -> None:
     simulate.add_argument("--overlap", action="store_true", default=None,
                           help="DiLoCo and SparseLoCo: one-step-delay overlap, compute does not wait for the "
                                "reduce (overrides diloco.overlap and sparseloco.overlap)")
-    simulate.add_argument("--report", type=Path, default=Path("report.json"))
+    simulate.add_argument("--report", type=Path, default=Path("runs/report.json"),
+                          help="where the report goes (default: runs/report.json; runs/ is ignored by git)")
     simulate.add_argument("--run-dir", type=Path, help="folder for logs and peer records (default: beside the report)")
     simulate.add_argument("--link", metavar="RATE[:LATENCY]",
                           help="every peer's emulated link, e.g. 100mbit:40ms or none (overrides link.default; "
@@ -102,6 +103,13 @@ def _add_status(sub) -> None:
     status.add_argument("--run", default="lowcomm-default")
 
 
+def _add_export(sub) -> None:
+    export = sub.add_parser("export", help="write the trained model of a checkpoint: safetensors + its config")
+    export.add_argument("checkpoint", type=Path, help="a coordinator's checkpoints folder, or one round-NNNNNN folder")
+    export.add_argument("out", type=Path, help="folder for model.safetensors and config.json")
+    export.add_argument("--config", type=Path, help="the run's config (TOML), for a checkpoint without config.json")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lowcomm", description="Low-communication decentralized training.")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -110,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_peer(sub)
     _add_simulate(sub)
     _add_status(sub)
+    _add_export(sub)
     return parser
 
 
@@ -119,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return {"coordinator": coordinator_start, "peer": peer_join, "simulate": simulate,
-                "status": status}[args.command](args)
+                "status": status, "export": export}[args.command](args)
     except ConfigError as e:
         print(f"lowcomm: config error: {e}", file=sys.stderr)
         return 2
@@ -200,6 +209,19 @@ def simulate(args) -> int:
     except Exception as e:  # the report is written: a plotting problem must not fail the run
         logging.getLogger(__name__).warning("could not draw the report's figures: %s", e)
     return 1 if report.get("failed_peers") else 0
+
+
+def export(args) -> int:
+    from lowcomm.runtime.checkpoint import CheckpointError
+    from lowcomm.runtime.export import export_checkpoint
+
+    try:
+        out = export_checkpoint(args.checkpoint, args.out, load_config(args.config) if args.config else None)
+    except CheckpointError as e:
+        print(f"lowcomm: export: {e}", file=sys.stderr)
+        return 2
+    print(f"model written to {out}/model.safetensors with its config in {out}/config.json")
+    return 0
 
 
 def status(args) -> int:

@@ -1,7 +1,8 @@
 """Checkpoints of the global model: φ and the outer optimizer state in safetensors, plus a small JSON.
 
 Written atomically (temp file, fsync, rename) so a crash never leaves a half-written checkpoint;
-the newest `keep` are kept. No pickle anywhere.
+the newest `keep` are kept. Each holds the run config it belongs to (`config.json`), so
+`lowcomm export` can rebuild the model from the folder alone. No pickle anywhere.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ class CheckpointConfig:
     keep: int = 3  # the newest this many are kept
 
 
+CONFIG_FILE = "config.json"
+
+
 class CheckpointError(RuntimeError):
     """No usable checkpoint where one was asked for."""
 
@@ -36,7 +40,7 @@ def _atomic_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(root: Path, snapshot: Snapshot, keep: int = 3) -> Path:
+def save_checkpoint(root: Path, snapshot: Snapshot, keep: int = 3, config_json: str | None = None) -> Path:
     root = Path(root)
     final = root / f"round-{snapshot.round:06d}"
     staging = root / f".round-{snapshot.round:06d}.partial"
@@ -46,6 +50,8 @@ def save_checkpoint(root: Path, snapshot: Snapshot, keep: int = 3) -> Path:
     meta = {"round": snapshot.round, "tokens": snapshot.tokens, "config_hash": snapshot.config_hash,
             "phi_hash": snapshot.phi_hash}
     _atomic_write(staging / "meta.json", json.dumps(meta, indent=1).encode())
+    if config_json is not None:
+        _atomic_write(staging / CONFIG_FILE, config_json.encode())
     shutil.rmtree(final, ignore_errors=True)
     os.replace(staging, final)
     dir_fd = os.open(root, os.O_RDONLY)
@@ -58,17 +64,19 @@ def save_checkpoint(root: Path, snapshot: Snapshot, keep: int = 3) -> Path:
     return final
 
 
-def load_checkpoint(root: Path) -> Snapshot:
-    """The newest complete checkpoint under `root` (a run's checkpoint folder or one round folder)."""
+def load_checkpoint(root: Path, with_folder: bool = False):
+    """The newest complete checkpoint under `root` (a run's checkpoint folder or one round folder);
+    with `with_folder`, (the snapshot, its round folder)."""
     root = Path(root)
     candidates = [root] if (root / "meta.json").exists() else sorted(root.glob("round-*"), reverse=True)
     for folder in candidates:
         try:
             meta = json.loads((folder / "meta.json").read_text())
             blob = (folder / "state.safetensors").read_bytes()
-            return Snapshot(int(meta["round"]), int(meta.get("tokens", 0)), str(meta["config_hash"]),
-                            str(meta.get("phi_hash", "")), blob)
+            snapshot = Snapshot(int(meta["round"]), int(meta.get("tokens", 0)), str(meta["config_hash"]),
+                                str(meta.get("phi_hash", "")), blob)
+            return (snapshot, folder) if with_folder else snapshot
         except (OSError, ValueError, KeyError):
             continue
-    raise CheckpointError(f"no complete checkpoint under {root}; point --resume at a folder written by "
-                          "`lowcomm coordinator start` (it holds round-NNNNNN/ folders)")
+    raise CheckpointError(f"no complete checkpoint under {root}; name the checkpoints folder of a "
+                          "`lowcomm coordinator start` run dir (it holds round-NNNNNN/ folders), or one of those")

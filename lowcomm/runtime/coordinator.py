@@ -114,7 +114,8 @@ class Coordinator:
         if snapshot.config_hash != self.config.config_hash():
             logger.warning("refused a checkpoint for another config from %s", source.peer_id)
             return
-        path = save_checkpoint(self.run_dir / "checkpoints", snapshot, keep=self.config.checkpoint.keep)
+        path = save_checkpoint(self.run_dir / "checkpoints", snapshot, keep=self.config.checkpoint.keep,
+                               config_json=self.config.to_json())
         self.last_checkpoint_round = snapshot.round
         logger.info("checkpoint of round %d written to %s", snapshot.round, path)
 

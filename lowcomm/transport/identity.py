@@ -7,6 +7,7 @@ holder of that peer's key (hivemind's RSASignatureValidator enforces the `[owner
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,8 +49,10 @@ class Identity:
             key = RSAPrivateKey()
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
-            tmp.write_bytes(key.to_bytes())
-            tmp.chmod(0o600)
+            tmp.unlink(missing_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # owner-only from the first byte
+            with os.fdopen(fd, "wb") as f:
+                f.write(key.to_bytes())
             tmp.replace(path)
         return cls(key, RSASignatureValidator(key))
 
