@@ -130,16 +130,26 @@ def main(argv: list[str] | None = None) -> int:
         return {"coordinator": coordinator_start, "peer": peer_join, "simulate": simulate,
                 "status": status, "export": export}[args.command](args)
     except ConfigError as e:
-        print(f"lowcomm: config error: {e}", file=sys.stderr)
+        print(f"lowcomm: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as e:  # one line a person can act on; -v shows where it came from
+        if args.verbose:
+            raise
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        print(f"lowcomm {args.command}: {type(e).__name__}: {first} (add -v after lowcomm for the traceback)",
+              file=sys.stderr)
+        return 1
 
 
 def coordinator_start(args) -> int:
     from lowcomm.runtime.coordinator import Coordinator
+    from lowcomm.runtime.preflight import check_coordinator
 
-    coordinator = Coordinator(load_config(args.config), args.run_dir, args.host, args.port, args.resume,
+    config = load_config(args.config)
+    check_coordinator(args.host, args.port, args.resume)  # before the key or the run dir is written
+    coordinator = Coordinator(config, args.run_dir, args.host, args.port, args.resume,
                               args.ready_file, dht_host=args.dht_host)
     info = coordinator.start()
     print(f"coordinator of run {info['run']} is up (config {info['config_hash']}"
@@ -152,12 +162,14 @@ def coordinator_start(args) -> int:
 def peer_join(args) -> int:
     from lowcomm.runtime.faults import FaultPlan
     from lowcomm.runtime.peer import Peer
+    from lowcomm.runtime.preflight import check_peer
 
     options = peer_options_of(args)
     try:
         FaultPlan.parse(options.fault)
     except ValueError as e:
         raise ConfigError(f"--fault: {e}") from None
+    check_peer(options)  # before the DHT is joined
     return Peer(options).run()
 
 
@@ -172,6 +184,8 @@ def simulate(args) -> int:
     from lowcomm.runtime.sim import Simulation, SimulationError
     from lowcomm.transport.netns import NetnsError, NetnsUnavailable
 
+    if args.peers < 1:
+        raise ConfigError(f"--peers {args.peers}: a simulation needs at least 1 peer")
     config = load_config(args.config).override({"run.algo": args.algo, "pipeline.stages": args.stages})
     inner_steps_key = (f"{config.run.algo}.inner_steps" if config.run.algo in ("sparseloco", "noloco")
                        else "diloco.inner_steps")
@@ -225,9 +239,11 @@ def export(args) -> int:
 
 
 def status(args) -> int:
+    from lowcomm.runtime.preflight import check_multiaddrs
     from lowcomm.transport.control import ControlPlane
     from lowcomm.transport.identity import Identity
 
+    check_multiaddrs(args.coordinator)
     control = ControlPlane.start(Identity.generate(), args.run, initial_peers=args.coordinator)
     try:
         peers = control.live_peers()

@@ -1,0 +1,78 @@
+"""Checks a command runs before it joins the DHT or writes anything, so a mistake costs a second, not a minute.
+
+Each check raises ConfigError with one line that names the option and says what to do.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import torch
+from cryptography.hazmat.primitives.serialization import load_ssh_public_key
+from hivemind.utils.multiaddr import Multiaddr
+
+from lowcomm.config import ConfigError
+from lowcomm.runtime.checkpoint import CheckpointError, load_checkpoint
+from lowcomm.runtime.options import PeerOptions
+
+
+def check_multiaddrs(addresses: list[str], flag: str = "--coordinator") -> None:
+    for text in addresses:
+        try:
+            maddr = Multiaddr(text)
+        except Exception as e:  # the parser raises several of its own types
+            raise ConfigError(f"{flag} {text!r} is not a multiaddr ({e}); copy it from the coordinator's "
+                              "join command, e.g. /ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...") from None
+        if "/p2p/" not in str(maddr):
+            raise ConfigError(f"{flag} {text!r} names no peer (/p2p/...); copy the whole multiaddr from the "
+                              "coordinator's join command")
+
+
+def check_run_key(text: str) -> None:
+    try:
+        load_ssh_public_key(b"ssh-rsa " + text.strip().encode())
+    except Exception:  # cryptography's errors for a malformed key vary by version
+        raise ConfigError("--run-key is not the coordinator's public key; copy it (AAAA...) from the "
+                          "coordinator's join command") from None
+
+
+def check_device(device: str) -> None:
+    if not device.startswith("cuda"):
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: torch sees no CUDA device here; use --device cpu or auto")
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise ConfigError(f"--device {device}: torch sees {torch.cuda.device_count()} CUDA device(s), "
+                          f"numbered from 0")
+
+
+def check_port_free(host: str, port: int, flag: str = "--port") -> None:
+    """A fixed TCP port another process already listens on is refused (0: a free one is picked later)."""
+    if port == 0:
+        return
+    if not 0 < port < 65536:
+        raise ConfigError(f"{flag} {port} is not a TCP port (1-65535, or 0 for any free one)")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ConfigError(f"{flag} {port} on {host} is not free ({e.strerror}); stop what uses it or "
+                              "pick another port") from None
+
+
+def check_peer(options: PeerOptions) -> None:
+    check_multiaddrs(options.coordinator)
+    check_run_key(options.run_key)
+    check_device(options.device)
+    check_port_free(options.host, options.port)
+
+
+def check_coordinator(host: str, port: int, resume: Path | None) -> None:
+    check_port_free(host, port)
+    if resume is not None:
+        try:
+            load_checkpoint(resume)
+        except CheckpointError as e:
+            raise ConfigError(f"--resume: {e}") from None
