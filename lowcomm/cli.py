@@ -249,6 +249,9 @@ def status(args) -> int:
         peers = control.live_peers()
         now = time.time()
         print(f"run {args.run}: {len(peers)} live records")
+        if not peers:
+            print(f"no peer or coordinator of run {args.run!r} is live in this DHT; check --run against the join "
+                  "command's --run (the default is lowcomm-default)")
         print(f"{'peer':22} {'state':12} {'round':>6} {'step':>7} {'tok/s':>9} {'age':>5}  endpoint")
         for p in sorted(peers.values(), key=lambda r: r.peer_id):
             print(f"{p.peer_id:22} {p.state:12} {p.round:>6} {p.step:>7} {p.throughput:>9.0f} "

@@ -17,7 +17,7 @@ def publish_run_config(control: ControlPlane, config: RunConfig, version: int, t
 
 
 def fetch_run_config(control: ControlPlane, coordinator_marker: bytes,
-                     timeout: float = 30.0) -> tuple[RunConfig, int]:
+                     timeout: float = 15.0) -> tuple[RunConfig, int]:
     """The run config signed by the coordinator's key, and its version; ConfigRejected if unusable."""
     signed = control.fetch_config(coordinator_marker, timeout)
     try:

@@ -27,6 +27,10 @@ class ConfigRejected(RuntimeError):
     """No run config signed by the expected coordinator key was found in the DHT, or it was unusable."""
 
 
+class DHTUnreachable(RuntimeError):
+    """This node could not start or reach any of its initial peers."""
+
+
 @dataclass(frozen=True)
 class SignedConfig:
     """The run config record as the coordinator's key signed it; the runtime parses and checks `text`."""
@@ -89,13 +93,19 @@ class ControlPlane:
     @classmethod
     def start(cls, identity: Identity, run: str, initial_peers: list[str] | None = None,
               host: str = "127.0.0.1", port: int = 0, announce_maddrs: list[str] | None = None) -> "ControlPlane":
-        dht = hivemind.DHT(
-            initial_peers=initial_peers or [],
-            host_maddrs=[f"/ip4/{host}/tcp/{port}"],
-            announce_maddrs=announce_maddrs,
-            record_validators=[identity.validator],
-            start=True,
-        )
+        try:
+            dht = hivemind.DHT(
+                initial_peers=initial_peers or [],
+                host_maddrs=[f"/ip4/{host}/tcp/{port}"],
+                announce_maddrs=announce_maddrs,
+                record_validators=[identity.validator],
+                start=True,
+            )
+        except Exception as e:  # p2pd's and hivemind's own error types; the first line says what happened
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            where = f"through {', '.join(initial_peers)}" if initial_peers else f"on {host}:{port}"
+            raise DHTUnreachable(f"could not join the DHT {where} ({reason}); check that the address is the "
+                                 "coordinator's (or a peer's) and that its port is reachable from here") from e
         return cls(dht, identity, run)
 
     def visible_maddrs(self) -> list[str]:
