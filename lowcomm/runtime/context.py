@@ -8,7 +8,9 @@ channels, traffic counters, its run log, the fault plan and the stop event.
 
 SIGINT and SIGTERM set ``stop`` (the handler only marks, it never logs: it runs between two
 bytecodes of the main thread, maybe inside RunLog.write, whose lock it would wait on forever);
-``close`` logs the leave with the signal's time.
+``close`` logs the leave with the signal's time. The handlers are installed after the DHT's child
+process is forked, so that child keeps the default action: a signal to the whole process group
+ends it, instead of leaving the peer waiting on it forever.
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ class PeerContext:
         o = self.options
         self.control = ControlPlane.start(self.identity, o.run_name, initial_peers=o.coordinator,
                                           host=o.dht_host or o.host)
+        # only now: the DHT's child process, forked above, must keep the default SIGTERM and SIGINT, or a
+        # signal to the whole process group (kill -- -PGID, systemd) leaves it running and the peer hung
+        self.install_signal_handlers()
         self.config, _ = fetch_run_config(self.control, owner_marker_from_text(o.run_key))
         torch.set_num_threads(1)
         sync = self.config.sync

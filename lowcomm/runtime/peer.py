@@ -46,9 +46,8 @@ class Peer:
 
     def run(self) -> int:
         ctx = self.ctx
-        ctx.install_signal_handlers()
         try:
-            ctx.open()
+            ctx.open()  # installs the signal handlers once the DHT's process is forked
             if ctx.config.pipelined:  # the run is cut into stages: this process serves one of them
                 from lowcomm.runtime.stage_peer import StagePeer
                 peer = StagePeer(ctx)

@@ -8,6 +8,7 @@ config is read only from the subkey of the coordinator's key given in the join c
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import math
@@ -21,6 +22,7 @@ from hivemind.utils import get_dht_time
 from lowcomm.transport.identity import Identity, peer_id_of
 
 logger = logging.getLogger(__name__)
+DHT_CALL_S = 30.0  # the longest one store or get may take
 
 
 class ConfigRejected(RuntimeError):
@@ -114,19 +116,37 @@ class ControlPlane:
     def shutdown(self) -> None:
         self.dht.shutdown()
 
+    def alive(self) -> bool:
+        """Whether the DHT's process still runs (a signal to the whole process group ends it first)."""
+        return self.dht.is_alive()
+
+    def _wait(self, call):
+        """``call()``'s future's result within DHT_CALL_S: a DHT process that died never answers, and no wait
+        is endless."""
+        if not self.dht.is_alive():
+            raise DHTUnreachable("the DHT's process is gone")
+        future = call()
+        try:
+            return future.result(timeout=DHT_CALL_S)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"the DHT did not answer within {DHT_CALL_S:.0f}s") from None
+
     # ---- generic signed records -------------------------------------------------------------
 
     def _store(self, key: str, value: dict, ttl: float) -> bool:
-        return bool(self.dht.store(key, value, get_dht_time() + ttl, subkey=self.identity.owner_marker))
+        return bool(self._wait(lambda: self.dht.store(key, value, get_dht_time() + ttl,
+                                                      subkey=self.identity.owner_marker, return_future=True)))
 
     def _expire(self, key: str) -> None:
         # A record can't be deleted; an already-expired overwrite makes it vanish everywhere.
-        self.dht.store(key, {"peer_id": self.identity.peer_id, "gone": True}, get_dht_time() + 0.5,
-                       subkey=self.identity.owner_marker)
+        self._wait(lambda: self.dht.store(key, {"peer_id": self.identity.peer_id, "gone": True},
+                                          get_dht_time() + 0.5, subkey=self.identity.owner_marker,
+                                          return_future=True))
 
     def _read(self, key: str) -> dict[str, dict]:
         """peer_id -> value for every well-formed record under `key` whose signer matches its peer_id."""
-        found = self.dht.get(key, latest=True)
+        found = self._wait(lambda: self.dht.get(key, latest=True, return_future=True))
         if found is None or not isinstance(found.value, dict):
             return {}
         out = {}
