@@ -54,7 +54,8 @@ def _add_peer(sub) -> None:
     join.add_argument("--data-shard", type=int, help="which data shard to read (default: from the peer id)")
     join.add_argument("--num-shards", type=int, help=f"how many shards the training data is cut into (default: "
                       f"{default['num_shards']})")
-    join.add_argument("--run-dir", type=Path, help="where to append this peer's JSONL records")
+    join.add_argument("--run-dir", type=Path, help="where to append this peer's JSONL records "
+                      "(default: runs/RUN; they go to RUN_DIR/peers/PEER.jsonl)")
     join.add_argument("--link", metavar="RATE[:LATENCY]",
                       help="emulate this access link for all data-plane traffic, e.g. 20mbit:80ms, or "
                            "unlimited:80ms for latency only (default: none)")
@@ -170,6 +171,8 @@ def peer_join(args) -> int:
     except ValueError as e:
         raise ConfigError(f"--fault: {e}") from None
     check_peer(options)  # before the DHT is joined
+    if options.run_dir is None:  # the records go somewhere a person finds them, ignored by git
+        options = dataclasses.replace(options, run_dir=Path("runs") / options.run_name)
     return Peer(options).run()
 
 

@@ -18,6 +18,7 @@ class Evaluation:
         self.evaluate = evaluate  # () -> held-out loss of the model as it is
         self.replica, self.progress, self.log = replica, progress, log
         self.every_tokens, self.total_steps = every_tokens, total_steps
+        self.last_loss: float | None = None  # of the latest evaluation this peer ran
 
     def run_due(self) -> None:
         """Evaluates if the rounds since the last check crossed the interval (as their leader), or at the end."""
@@ -31,5 +32,6 @@ class Evaluation:
         if final or (led and crossed):
             with self.replica.global_model():
                 loss = self.evaluate()
+            self.last_loss = loss
             self.log.write("eval", round=self.replica.round, step=p.step, tokens=p.tokens_global, loss=loss,
                            final=final, phi_hash=self.replica.phi_hash())

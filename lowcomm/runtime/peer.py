@@ -23,6 +23,7 @@ from lowcomm.collectives.base import GroupKey, RoundResult
 from lowcomm.collectives.manifest import ManifestAgreement
 from lowcomm.collectives.pair_exchange import PairExchange
 from lowcomm.collectives.sharded_reduce import ShardedReduce
+from lowcomm.runtime.console import Console, megabytes
 from lowcomm.runtime.context import PeerContext, round_timeout
 from lowcomm.runtime.evaluation import Evaluation
 from lowcomm.runtime.faults import Fault
@@ -90,6 +91,8 @@ class TrainingPeer:
         # the DHT, bookkeeping) and in the held-out evaluations it runs
         self.loop_s = {"sync": 0.0, "eval": 0.0}
         self._landed_any = False
+        self.console = Console()
+        self._train_loss: float | None = None
         ctx.log.event("start", endpoint=ctx.endpoint, client_mode=ctx.client_mode, algo=config.run.algo,
                       device=device.type, config_hash=config.config_hash(), data_shard=shard,
                       link=str(o.link) if o.link is not None else None)
@@ -118,7 +121,11 @@ class TrainingPeer:
             if not self.state.fetch():
                 self.state.publish_snapshot()
             self.membership.set(state="training")
+            self.console.say(f"peer {self.ctx.me} training in run {self.ctx.options.run_name} from round "
+                             f"{self.replica.round} ({self.config.run.algo}, {self.trainer.device.type}); records in "
+                             f"{self.ctx.log.path or 'nowhere (no --run-dir)'}")
             self._train()
+            self._summary()
             return 0
         finally:
             self.ctx.log_leave()
@@ -130,7 +137,7 @@ class TrainingPeer:
         first_step_t = None
         while p.step < total and not self.ctx.stop.is_set():
             first_step_t = first_step_t or time.time()
-            self.trainer.forward_backward()
+            self._train_loss = self.trainer.forward_backward()
             if not self._timed("sync", self._sync, r.on_gradients, p.step):
                 continue  # the state was replaced: its step is where this replica stands now
             if r.steps_inner_optimizer:
@@ -142,6 +149,7 @@ class TrainingPeer:
             if p.step >= total and not r.in_flight():
                 p.eval_due()  # the final evaluation, whether or not a round ended here
             self._timed("eval", self.evaluation.run_due)
+            self.console.status(self._status_line())
             if p.step % 10 == 0 or p.step >= total:
                 log.write("compute", compute_s=self.trainer.compute_s, steps=p.steps_done,
                           sync_wait_s=self.loop_s["sync"], eval_s=self.loop_s["eval"],
@@ -151,6 +159,23 @@ class TrainingPeer:
         if not self.ctx.stop.is_set():
             self._finish()
         log.event("done" if p.step >= total else "stopped", round=r.round, step=p.step)
+
+    def _status_line(self) -> str:
+        p, t = self.progress, self.ctx.traffic
+        tok_s = p.steps_done * self.trainer.tokens_per_step / max(self.trainer.compute_s, 1e-9)
+        loss = self.evaluation.last_loss
+        shown = f"held-out loss {loss:.3f}" if loss is not None else (
+            f"train loss {self._train_loss:.3f}" if self._train_loss is not None else "loss n/a")
+        return (f"round {self.replica.round} · step {p.step}/{self.config.run.steps} · {shown} · {tok_s:,.0f} tok/s · "
+                f"sync {self.loop_s['sync']:.0f} s · up {megabytes(t.sent)} down {megabytes(t.received)}")
+
+    def _summary(self) -> None:
+        p, loss = self.progress, self.evaluation.last_loss
+        ended = "done" if p.step >= self.config.run.steps else "stopped"
+        self.console.say(f"{ended}: {p.steps_done} steps in {self.replica.round} rounds, "
+                         f"{p.tokens_global:,} tokens in the global model, held-out loss "
+                         f"{f'{loss:.4f}' if loss is not None else 'n/a'}, up {megabytes(self.ctx.traffic.sent)} "
+                         f"down {megabytes(self.ctx.traffic.received)}")
 
     def _timed(self, what: str, call, *args):
         """``call(*args)`` from the training loop, its wall time added to ``loop_s[what]``."""

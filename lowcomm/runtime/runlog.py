@@ -13,6 +13,7 @@ from pathlib import Path
 class RunLog:
     def __init__(self, path: Path | None, peer_id: str):
         self.peer_id = peer_id
+        self.path = path
         self._lock = threading.Lock()
         self._file = None
         if path is not None:
