@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import sys
 import time
 import uuid
@@ -35,7 +36,7 @@ def pytest_collection_modifyitems(config, items):
 # What `pgrep -f 'lowcomm.cli|p2pd'` matches: peers, coordinators and simulate launchers, and the
 # DHT's daemons.
 WATCHED = re.compile(r"lowcomm\.cli|p2pd")
-SESSION_ENV = "LOWCOMM_TEST_SESSION"
+RUN_ENV = "LOWCOMM_TEST_RUN"
 GRACE_S = 10.0  # a process may still be on its way out when the last test ends
 
 
@@ -60,39 +61,51 @@ def watched_processes() -> dict[int, str]:
     return found
 
 
-def started_by_this_session(pid: int, token: str) -> bool:
-    """Whether `pid` inherited this session's marker. The machine is shared: a peer another person
+def started_by_this_run(pid: int, token: str) -> bool:
+    """Whether `pid` inherited this test run's marker. The machine is shared: a peer another person
     started while these tests ran is not theirs. A process whose environment cannot be read counts."""
     environ = _read(f"/proc/{pid}/environ")
-    return environ is None or f"{SESSION_ENV}={token}".encode() in environ.split(b"\0")
+    return environ is None or f"{RUN_ENV}={token}".encode() in environ.split(b"\0")
+
+
+def wait_for_exit(pid: int, timeout: float) -> bool:
+    """Whether `pid` ends within `timeout` seconds: waits on its pidfd (readable once it exits)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        readable, _, _ = select.select([fd], [], [], max(0.0, timeout))
+        return bool(readable)
+    finally:
+        os.close(fd)
 
 
 @pytest.fixture(scope="session", autouse=True)
 def no_process_left_behind():
-    """Fails the run if a process matching WATCHED that started during the session outlives it.
-    Processes that existed before the session are not the tests'; children inherit SESSION_ENV,
+    """Fails the run if a process matching WATCHED that started during the test run outlives it.
+    Processes that existed before the run are not the tests'; children inherit RUN_ENV,
     which tells ours from those others start meanwhile."""
     if not os.path.isdir("/proc"):
         yield
         return
     before = set(watched_processes())
     token = uuid.uuid4().hex
-    previous = os.environ.get(SESSION_ENV)
-    os.environ[SESSION_ENV] = token
+    previous = os.environ.get(RUN_ENV)
+    os.environ[RUN_ENV] = token
     try:
         yield
     finally:
         if previous is None:
-            os.environ.pop(SESSION_ENV, None)
+            os.environ.pop(RUN_ENV, None)
         else:
-            os.environ[SESSION_ENV] = previous
+            os.environ[RUN_ENV] = previous
     deadline = time.monotonic() + GRACE_S
-    while True:
-        left = {pid: cmd for pid, cmd in watched_processes().items()
-                if pid not in before and started_by_this_session(pid, token)}
-        if not left or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+    left = {pid: cmd for pid, cmd in watched_processes().items()
+            if pid not in before and started_by_this_run(pid, token)}
+    for pid in list(left):
+        if wait_for_exit(pid, deadline - time.monotonic()):
+            del left[pid]
     if left:
         listing = "\n".join(f"  pid {pid}: {cmd}" for pid, cmd in sorted(left.items()))
         pytest.fail(f"processes left behind by the tests (still running {GRACE_S:.0f}s after the last "
