@@ -1,5 +1,8 @@
 """Network namespaces for `lowcomm simulate --netns`: every process of a node on its own capped link.
 
+This module holds the lab (NetnsLab, Node) and its command line; netns_commands the `ip`/`tc`
+commands, subnets and htb classes; netns_cleanup the markers, the reaper and stale-lab removal.
+
 A NetnsLab owns what it creates on the host and nothing else: one Linux bridge in the root
 namespace, one network namespace per node joined to the bridge by a veth pair, `tc` htb caps on
 both ends of each pair, and a marker file RUN_DIR/<tag>. Everything is named after the lab's tag
@@ -34,311 +37,34 @@ program run through `node.wrap(cmd)`, lowcomm or not.
   the pipe closes and the reaper removes the lab. `cleanup_stale()` removes labs whose owner is
   gone (and lab objects with no marker), for the case where the reaper died too.
 """
-
 from __future__ import annotations
 
 import atexit
 import contextlib
-import fcntl
 import ipaddress
 import json
 import logging
 import os
 import random
-import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# the lab's parts, importable from here as from one module
+from lowcomm.transport.netns_cleanup import (_kill_inside, _locked, _marker_path, _pids_inside,  # noqa: F401
+                                             _process_start, _read_marker, _reap, cleanup_stale, lab_objects,
+                                             remove_lab)
+from lowcomm.transport.netns_commands import (BURST_S, FRAME_BYTES, MAX_NODES, NODE_NAME, RUN_DIR,  # noqa: F401
+                                              TAG_PATTERN, TAG_PREFIX, UNCAPPED_BITS, HtbParams, NetnsError,
+                                              NetnsUnavailable, _class_bytes, _disable_ipv6, _htb_commands,
+                                              _ip_batch, _list_links, _list_netns, _run, _tc_batch,
+                                              choose_subnets, host_networks, unavailable_reason)
+
 logger = logging.getLogger(__name__)
 
-RUN_DIR = Path("/run/lowcomm-netns")  # markers and the lock; /run is emptied at boot, as namespaces are
-NETNS_DIR = Path("/run/netns")  # where `ip netns add` mounts namespaces
-TAG_PREFIX = "lcn"
-TAG_PATTERN = re.compile(r"lcn[0-9a-f]{4}")
-NODE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,40}")
-MAX_NODES = 253  # .2 to .254 of a /24
-BURST_S = 0.010
-BUFFER_S = 0.100
-FRAME_BYTES = 1514  # a full Ethernet frame: 1500 bytes of MTU and a 14-byte header
-UNCAPPED_BITS = 10e9  # "no cap": htb still classifies and counts
-COMMAND_TIMEOUT_S = 30.0
-KILL_TIMEOUT_S = 10.0
-LOCK_TIMEOUT_S = 60.0
-WHAT_TO_DO = "run as root (sudo) or drop --netns to use the application shaper (--link)"
-DATA_CLASS, CONTROL_CLASS = "1:10", "1:20"
-
-
-class NetnsError(RuntimeError):
-    """A command that builds or removes a lab failed; the message has the command and its output."""
-
-
-class NetnsUnavailable(NetnsError):
-    """Namespaces cannot be made here (not root, no iproute2, no htb); the message says what to do."""
-
-
-def unavailable_reason() -> str | None:
-    """Why NetnsLab cannot run here, as a sentence that says what to do; None where it can (probably)."""
-    if not sys.platform.startswith("linux"):
-        return f"network namespaces need Linux (this is {sys.platform}): drop --netns to use the application " \
-               f"shaper (--link)"
-    if os.geteuid() != 0:
-        return f"network namespaces and tc need root (this process runs as uid {os.geteuid()}): {WHAT_TO_DO}"
-    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
-    if missing:
-        return f"{' and '.join(missing)} not found on PATH: install iproute2, or drop --netns to use the " \
-               f"application shaper (--link)"
-    return None
-
-
-# ---- commands --------------------------------------------------------------------------------
-
-def _run(args: list[str], *, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    try:
-        done = subprocess.run(args, input=stdin, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
-    except FileNotFoundError as error:
-        raise NetnsUnavailable(f"{args[0]} not found: install iproute2, or {WHAT_TO_DO}") from error
-    except subprocess.TimeoutExpired as error:
-        raise NetnsError(f"`{' '.join(args)}` did not finish in {COMMAND_TIMEOUT_S:.0f}s") from error
-    if check and done.returncode != 0:
-        output = (done.stderr.strip() or done.stdout.strip()).replace("\n", "; ")
-        text = f"`{' '.join(args)}` failed with code {done.returncode}: {output}"
-        if stdin:
-            text += f" (commands: {stdin.strip()!r})"
-        if "Operation not permitted" in output:
-            raise NetnsUnavailable(f"{text}; this process may not create network devices: {WHAT_TO_DO}")
-        if "qdisc kind is unknown" in output or "Unknown qdisc" in output:
-            raise NetnsUnavailable(f"{text}; the kernel has no htb qdisc (sch_htb): load it (modprobe sch_htb) "
-                                   f"or drop --netns to use the application shaper (--link)")
-        raise NetnsError(text)
-    return done
-
-
-def _ip_batch(lines: list[str], netns: str | None = None) -> None:
-    _run(["ip", *(["-n", netns] if netns else []), "-batch", "-"], stdin="\n".join(lines) + "\n")
-
-
-def _tc_batch(lines: list[str], netns: str | None = None) -> None:
-    _run(["tc", *(["-n", netns] if netns else []), "-batch", "-"], stdin="\n".join(lines) + "\n")
-
-
-def _list_netns() -> list[str]:
-    return [line.split()[0] for line in _run(["ip", "netns", "list"]).stdout.splitlines() if line.strip()]
-
-
-def _list_links() -> list[str]:
-    return [link["ifname"] for link in json.loads(_run(["ip", "-j", "link", "show"]).stdout or "[]")]
-
-
-def _disable_ipv6(interface: str) -> None:
-    """Before the link goes up, so it sends no router solicitations or MLD reports (absent IPv6: nothing to do)."""
-    with contextlib.suppress(OSError):
-        Path(f"/proc/sys/net/ipv6/conf/{interface}/disable_ipv6").write_text("1")
-
-
-# ---- addresses -------------------------------------------------------------------------------
-
-def host_networks() -> list[ipaddress.IPv4Network]:
-    """Every IPv4 network the host has an address in or a route to (any table), default routes aside."""
-    networks = []
-    for link in json.loads(_run(["ip", "-4", "-j", "addr", "show"]).stdout or "[]"):
-        for info in link.get("addr_info", []):
-            networks.append(ipaddress.ip_interface(f"{info['local']}/{info['prefixlen']}").network)
-    for route in json.loads(_run(["ip", "-4", "-j", "route", "show", "table", "all"]).stdout or "[]"):
-        with contextlib.suppress(ValueError):
-            if route.get("dst", "default") != "default":
-                networks.append(ipaddress.ip_network(route["dst"], strict=False))
-    return networks
-
-
-def choose_subnets(used: list[ipaddress.IPv4Network],
-                   rng: random.Random | None = None) -> tuple[ipaddress.IPv4Network, ipaddress.IPv4Network]:
-    """A free (data, control) pair of /24s: 10.{2j+200}.k.0/24 and 10.{2j+201}.k.0/24, picked at random."""
-    candidates = list(range(28 * 256))
-    (rng or random.Random()).shuffle(candidates)
-    for candidate in candidates:
-        j, k = divmod(candidate, 256)
-        pair = ipaddress.ip_network(f"10.{200 + 2 * j}.{k}.0/24"), ipaddress.ip_network(f"10.{201 + 2 * j}.{k}.0/24")
-        if not any(net.overlaps(other) for net in pair for other in used):
-            return pair
-    raise NetnsError("no free pair of /24s in 10.200.0.0-10.255.255.255 for a lab: the host's addresses and "
-                     "routes cover them all")
-
-
-# ---- the htb tree --------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class HtbParams:
-    rate_bits: int
-    burst_bytes: int  # for the rate and the ceil
-    queue_frames: int  # each leaf's pfifo limit
-
-    @classmethod
-    def for_rate(cls, rate_bits: float) -> "HtbParams":
-        burst = max(int(rate_bits / 8 * BURST_S), 2 * FRAME_BYTES)
-        queue = min(max(int(rate_bits / 8 * BUFFER_S / FRAME_BYTES), 16), 1000)
-        return cls(int(rate_bits), burst, queue)
-
-
-def _htb_commands(device: str, params: HtbParams, control_net: ipaddress.IPv4Network, new: bool) -> list[str]:
-    verb = "add" if new else "change"
-    r, half, b = params.rate_bits, max(params.rate_bits // 2, 1), params.burst_bytes
-    lines = [f"qdisc add dev {device} root handle 1: htb default 10"] if new else []
-    lines += [f"class {verb} dev {device} parent 1: classid 1:1 htb rate {r}bit ceil {r}bit burst {b} cburst {b}"]
-    for leaf in (DATA_CLASS, CONTROL_CLASS):
-        # quantum: one full frame per DRR turn, so the leaves interleave frame by frame when both borrow
-        lines.append(f"class {verb} dev {device} parent 1:1 classid {leaf} htb rate {half}bit ceil {r}bit "
-                     f"burst {b} cburst {b} quantum {FRAME_BYTES}")
-        handle = leaf.split(":")[1]
-        lines.append(f"qdisc {'add' if new else 'change'} dev {device} parent {leaf} handle {handle}: pfifo "
-                     f"limit {params.queue_frames}")
-    if new:
-        for field_name in ("src", "dst"):
-            lines.append(f"filter add dev {device} parent 1: protocol ip prio 1 u32 match ip {field_name} "
-                         f"{control_net} flowid {CONTROL_CLASS}")
-    return lines
-
-
-_CLASS_STATS = re.compile(r"^class htb (\d+:\d+) [^\n]*\n\s*Sent (\d+) bytes (\d+) pkt", re.M)
-
-
-def _class_bytes(device: str, netns: str | None = None) -> dict[str, int]:
-    # `tc -j` prints no JSON for htb classes in iproute2 6.1, so the text is read
-    text = _run(["tc", *(["-n", netns] if netns else []), "-s", "class", "show", "dev", device]).stdout
-    sent = {handle: int(nbytes) for handle, nbytes, _ in _CLASS_STATS.findall(text)}
-    return {"data": sent.get(DATA_CLASS, 0), "control": sent.get(CONTROL_CLASS, 0)}
-
-
-# ---- markers, owners and removal -----------------------------------------------------------
-
-def _process_start(pid: int) -> int | None:
-    """The process's start time in clock ticks (tells a reused pid apart); None if it is gone or a zombie."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] in ("Z", "X") else int(fields[19])
-
-
-def _marker_path(tag: str) -> Path:
-    return RUN_DIR / tag
-
-
-def _read_marker(tag: str) -> dict | None:
-    try:
-        return json.loads(_marker_path(tag).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _owner_alive(marker: dict) -> bool:
-    return marker.get("start") is not None and _process_start(int(marker.get("pid", 0))) == marker["start"]
-
-
-@contextlib.contextmanager
-def _locked():
-    """One lab at a time picks its tag and subnets, and removal does not race creation."""
-    RUN_DIR.mkdir(parents=True, exist_ok=True)
-    with open(RUN_DIR / ".lock", "w") as lock:
-        deadline = time.monotonic() + LOCK_TIMEOUT_S
-        while True:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise NetnsError(f"{RUN_DIR / '.lock'} stayed locked for {LOCK_TIMEOUT_S:.0f}s") from None
-                time.sleep(0.05)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def _pids_inside(netns: str) -> list[int]:
-    """What `ip netns pids` prints, without a process per call. A zombie has left its namespace."""
-    try:
-        target = os.stat(NETNS_DIR / netns)
-    except OSError:
-        return []
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                inode = os.stat(f"/proc/{entry}/ns/net")
-            except OSError:
-                continue
-            if (inode.st_ino, inode.st_dev) == (target.st_ino, target.st_dev):
-                pids.append(int(entry))
-    return pids
-
-
-def _kill_inside(namespaces: list[str]) -> list[int]:
-    """SIGKILLs every process in these namespaces until none is left (or KILL_TIMEOUT_S); returns survivors."""
-    deadline = time.monotonic() + KILL_TIMEOUT_S
-    while True:
-        pids = [pid for ns in namespaces for pid in _pids_inside(ns)]
-        if not pids or time.monotonic() > deadline:
-            return pids
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.02)
-
-
-def lab_objects(tag: str) -> dict[str, list[str]]:
-    """The namespaces and root-namespace links of lab `tag` that exist now."""
-    return {"netns": [ns for ns in _list_netns() if ns.startswith(f"{tag}-")],
-            "links": [link for link in _list_links() if re.fullmatch(rf"{tag}(br|h\d+)", link)]}
-
-
-def remove_lab(tag: str) -> dict[str, list[str]]:
-    """Kills the processes inside lab `tag`, deletes its veths, namespaces, bridge and then its marker.
-
-    Returns what is still there (empty lists when all went); the marker stays while anything does.
-    """
-    objects = lab_objects(tag)
-    survivors = _kill_inside(objects["netns"])
-    if survivors:
-        logger.warning("processes %s in lab %s survived SIGKILL for %.0fs", survivors, tag, KILL_TIMEOUT_S)
-    bridge = f"{tag}br"
-    for link in sorted(objects["links"], key=lambda name: name == bridge):  # the bridge last
-        _run(["ip", "link", "del", link], check=False)  # deleting one end of a veth deletes both
-    for ns in objects["netns"]:
-        _run(["ip", "netns", "del", ns], check=False)
-    left = lab_objects(tag)
-    if not left["netns"] and not left["links"]:
-        _marker_path(tag).unlink(missing_ok=True)
-    return left
-
-
-def cleanup_stale() -> list[str]:
-    """Removes every lab whose owner process is gone, and lab objects that have no marker; returns their tags."""
-    reason = unavailable_reason()
-    if reason:
-        raise NetnsUnavailable(reason)
-    removed = []
-    with _locked():
-        names = [*_list_netns(), *_list_links(), *(p.name for p in RUN_DIR.iterdir())]
-        tags = {m.group(0) for m in (TAG_PATTERN.match(name) for name in names) if m}
-        for tag in sorted(tags):
-            marker = _read_marker(tag)
-            if marker is not None and _owner_alive(marker):
-                continue
-            left = remove_lab(tag)
-            if left["netns"] or left["links"]:
-                logger.warning("could not remove all of stale lab %s: %s", tag, left)
-            else:
-                logger.info("removed stale lab %s (owner pid %s)", tag, (marker or {}).get("pid"))
-                removed.append(tag)
-    return removed
-
-
-# ---- the lab -------------------------------------------------------------------------------
 
 @dataclass
 class Node:
@@ -556,15 +282,6 @@ class NetnsLab:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._reaper.wait(timeout=5)  # longer only if a fork of the owner still holds the pipe
             self._reaper = None
-
-
-def _reap(tag: str, fd: int) -> None:
-    """The reaper: blocks until its owner closes the pipe (by close() or by dying), then removes what is left."""
-    while os.read(fd, 4096):
-        pass
-    if _read_marker(tag) is not None:
-        with _locked():
-            remove_lab(tag)
 
 
 def main(argv: list[str] | None = None) -> int:
