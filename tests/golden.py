@@ -13,6 +13,7 @@ import pytest
 import torch
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
+VECTORS = Path(__file__).resolve().parents[2] / "shared" / "vectors"  # ../shared beside the checkout
 REGEN_FLAG = "LOWCOMM_REGEN_FIXTURES"
 
 
@@ -45,3 +46,14 @@ def random_inputs(seed: int, shape, scale: float = 1.0) -> list:
 def assert_close(actual, expected, rtol: float = 1e-5, atol: float = 1e-6, msg: str = "") -> None:
     np.testing.assert_allclose(np.asarray(tolist(actual)), np.asarray(expected, dtype=np.float32),
                                rtol=rtol, atol=atol, err_msg=msg)
+
+
+def demo_reference() -> tuple[dict, dict]:
+    """shared/vectors/demo_reference.json (bloc97/DeMo's own optimizer) and the DemoConfig fields of its hyper-parameters."""
+    path = VECTORS / "demo_reference.json"
+    if not path.exists():
+        pytest.fail(f"{path} is missing: the shared/ folder must sit beside the checkout (see README)")
+    ref = json.loads(path.read_text())
+    hyper = ref["hyper"]
+    return ref, {"lr": hyper["lr"], "beta": hyper["compression_decay"], "topk": hyper["compression_topk"],
+                 "chunk": hyper["compression_chunk"], "weight_decay": hyper["weight_decay"]}

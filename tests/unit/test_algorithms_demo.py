@@ -3,19 +3,16 @@ of the spec, a stored golden trajectory, and the pitfalls (scatter-mean, the dou
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import scipy.fft
 import torch
-from golden import assert_close, golden, random_inputs, tensor, tolist
+from golden import assert_close, demo_reference, golden, random_inputs, tensor, tolist
 
 from lowcomm.algorithms.demo import (DemoConfig, DemoState, aggregate_update, apply_all, compress_all,
                                      compress_residual)
 
-VECTORS = Path(__file__).resolve().parents[3] / "shared" / "vectors"
 RTOL, ATOL = 1e-6, 1e-7  # ALGORITHMS.md "Comparing with the reference vectors"
 
 
@@ -38,13 +35,9 @@ def run_module(params0, grads, config: DemoConfig, replicas: int):
 
 # ---------------------------------------------------------------------- the reference optimizer
 def test_matches_reference_demo_trajectory():
-    path = VECTORS / "demo_reference.json"
-    if not path.exists():
-        pytest.fail(f"{path} is missing: the shared/ folder must sit beside the checkout (see README)")
-    ref = json.loads(path.read_text())
+    ref, fields = demo_reference()
     hyper = ref["hyper"]
-    config = DemoConfig(lr=hyper["lr"], beta=hyper["compression_decay"], topk=hyper["compression_topk"],
-                        chunk=hyper["compression_chunk"], weight_decay=hyper["weight_decay"])
+    config = DemoConfig(**fields)
     workers = hyper["workers"]
     steps = len(ref["traj"])
     grads = [[[tensor(g) for g in ref["grads"][s * workers + r]] for r in range(workers)] for s in range(steps)]

@@ -19,11 +19,10 @@ from __future__ import annotations
 import json
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
-from golden import FIXTURES, assert_close, tensor
+from golden import FIXTURES, assert_close, demo_reference, tensor
 from threads import in_threads
 from torch import nn
 
@@ -49,7 +48,6 @@ from lowcomm.config import RunConfig
 from lowcomm.transport.service import PeerService
 from lowcomm.transport.wire import Channels, Traffic, start_server
 
-VECTORS = Path(__file__).resolve().parents[3] / "shared" / "vectors"
 REFERENCE_RTOL, REFERENCE_ATOL = 1e-6, 1e-7  # ALGORITHMS.md "Comparing with the reference vectors"
 TOKENS = 256  # every replica's tokens per step: equal weights, so the weighted mean is the plain mean
 WAIT_S = 60.0  # a bound on joins and waits that only a broken test reaches; never asserted
@@ -270,13 +268,9 @@ def test_demo_replicas_reproduce_the_golden_trajectory(name):
 
 def test_demo_replicas_reproduce_the_reference_demo_trajectory():
     """shared/vectors/demo_reference.json (bloc97/DeMo's own optimizer, two workers) through DeMo replicas."""
-    path = VECTORS / "demo_reference.json"
-    if not path.exists():
-        pytest.fail(f"{path} is missing: the shared/ folder must sit beside the checkout (see README)")
-    ref = json.loads(path.read_text())
+    ref, fields = demo_reference()
     hyper = ref["hyper"]
-    config = RunConfig(demo=DemoConfig(lr=hyper["lr"], beta=hyper["compression_decay"], topk=hyper["compression_topk"],
-                                       chunk=hyper["compression_chunk"], weight_decay=hyper["weight_decay"]))
+    config = RunConfig(demo=DemoConfig(**fields))
     workers, steps = hyper["workers"], len(ref["traj"])
     reps = demo_replicas(config, [ref["W0"], ref["b0"]], workers, "golden-demo-reference")
     grads = [[[tensor(g) for g in ref["grads"][s * workers + r]] for r in range(workers)] for s in range(steps)]
