@@ -14,9 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from lowcomm.algorithms.diloco import DiLoCo
-from lowcomm.algorithms.sparseloco_replica import SparseLoCo
-from lowcomm.algorithms.sparseloco_replica import combiner as sparseloco_combiner
+from lowcomm.algorithms.base import ReplicaSpec
+from lowcomm.algorithms.registry import algorithm
 from lowcomm.collectives.base import GroupKey
 from lowcomm.collectives.sharded_reduce import ShardedReduce
 from lowcomm.pipeline.checkfree import LR_SCALE, rebuild_stage
@@ -84,12 +83,13 @@ class StageState:
         self.ctx.log.event("stage", stage=stage, previous=previous, how=how)
 
     def make_algo(self, module: StageModule, stage: int):
+        """The run's algorithm (DiLoCo or SparseLoCo, the config checks) for this stage, from the registry."""
+        algo = algorithm(self.config.run.algo)
+        combiner = algo.combiner(self.config, [tuple(p.shape) for p in module.parameters()])
+        if combiner is not None:  # the sparse payloads of this stage's parameters
+            self.collective.combiner, self.collective.codec = combiner, combiner.name
         key = GroupKey(self.ctx.options.run_name, stage=stage)
-        if self.config.run.algo == "sparseloco":
-            bundle = sparseloco_combiner(self.config.sparseloco, [tuple(p.shape) for p in module.parameters()])
-            self.collective.combiner, self.collective.codec = bundle, bundle.name
-            return SparseLoCo(module, self.config.sparseloco, self.collective, key)
-        return DiLoCo(module, self.config.diloco, self.collective, key)
+        return algo.build(ReplicaSpec(module, self.config, self.collective, key))
 
     def install(self, module: StageModule, algo, stage: int, lr_scale: float = 1.0, step: int = 0,
                 adam: dict[str, torch.Tensor] | None = None, grad_norm: float = 0.0) -> None:
