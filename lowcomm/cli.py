@@ -18,9 +18,15 @@ def _add_coordinator(sub) -> None:
     coordinator = sub.add_parser("coordinator", help="the run owner's node").add_subparsers(dest="action", required=True)
     start = coordinator.add_parser("start", help="start the first DHT node, publish the signed run config")
     start.add_argument("--config", type=Path, help="run config (TOML); defaults to the embedded default run")
-    start.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
-    start.add_argument("--port", type=int, default=0, help="DHT port (0 picks a free one)")
+    start.add_argument("--host", default="0.0.0.0", help="address to listen on (default: 0.0.0.0, every "
+                       "interface; the join command carries this machine's primary address)")
+    start.add_argument("--port", type=int, default=0, help="data plane (gRPC) port, which peers dial for their "
+                       "reachability check (default: 0, any free one)")
+    start.add_argument("--dht-port", type=int, default=0, help="DHT (p2pd) port, the one in the join command "
+                       "(default: 0, any free one; fix it to open it in a firewall)")
     start.add_argument("--dht-host", help="address the DHT (p2pd) listens on (default: --host)")
+    start.add_argument("--announce-addr", metavar="HOST[:PORT]", help="the address peers dial, for both planes "
+                       "(behind NAT with forwarded ports, or a proxy); PORT is the data plane's")
     start.add_argument("--dashboard-port", type=int, default=None, help="reserved for the status page (not yet served)")
     start.add_argument("--run-dir", type=Path, default=Path("runs/coordinator"),
                        help="where the coordinator keeps its key and checkpoints")
@@ -45,10 +51,14 @@ def _add_peer(sub) -> None:
                       "a GPU if torch sees one)")
     join.add_argument("--config", type=Path, metavar="PEER.TOML", help="peer profile (TOML): a [peer] table of these options; flags "
                       "override it (see peers/*.toml)")
-    join.add_argument("--host", help=f"address the data plane listens on (default: {default['host']})")
-    join.add_argument("--port", type=int, help=f"data plane port (default: {default['port']}, any free one)")
+    join.add_argument("--host", help=f"address to listen on (default: {default['host']}, every interface; "
+                      "this machine's primary address is announced)")
+    join.add_argument("--port", type=int, help=f"data plane (gRPC) port (default: {default['port']}, any free one)")
+    join.add_argument("--dht-port", type=int, help=f"DHT (p2pd) port (default: {default['dht_port']}, any free one; "
+                      "fix it to open it in a firewall)")
     join.add_argument("--dht-host", help="address the DHT (p2pd) listens on (default: --host)")
-    join.add_argument("--announce-addr", help="host:port other peers should dial (behind NAT or a proxy)")
+    join.add_argument("--announce-addr", metavar="HOST[:PORT]", help="the address other peers dial, for both "
+                      "planes (behind NAT with forwarded ports, or a proxy); PORT is the data plane's")
     join.add_argument("--client-mode", action=argparse.BooleanOptionalAction,
                       help="contribute without serving (for peers others cannot dial); detected if not given")
     join.add_argument("--data-shard", type=int, help="which data shard to read (default: from the peer id)")
@@ -149,9 +159,9 @@ def coordinator_start(args) -> int:
     from lowcomm.runtime.preflight import check_coordinator
 
     config = load_config(args.config)
-    check_coordinator(args.host, args.port, args.resume)  # before the key or the run dir is written
-    coordinator = Coordinator(config, args.run_dir, args.host, args.port, args.resume,
-                              args.ready_file, dht_host=args.dht_host)
+    check_coordinator(args)  # before the key or the run dir is written
+    coordinator = Coordinator(config, args.run_dir, args.host, args.port, args.resume, args.ready_file,
+                              dht_host=args.dht_host, dht_port=args.dht_port, announce=args.announce_addr)
     info = coordinator.start()
     print(f"coordinator of run {info['run']} is up (config {info['config_hash']}"
           + (f", resumed at round {info['resumed_round']}" if info["resumed_round"] is not None else "") + ")")

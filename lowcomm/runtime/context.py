@@ -22,16 +22,17 @@ import time
 
 import torch
 
-from lowcomm.proto import wire_pb2
 from lowcomm.runtime.faults import FaultPlan
+from lowcomm.runtime.reachability import decide, dial_back, explain, helpers
 from lowcomm.runtime.run_config import fetch_run_config
 from lowcomm.runtime.runlog import RunLog
 from lowcomm.runtime.state_transfer import StateHolder
+from lowcomm.transport.addresses import grpc_endpoint
 from lowcomm.transport.control import ControlPlane
 from lowcomm.transport.identity import Identity, owner_marker_from_text, peer_id_of
 from lowcomm.transport.service import PeerService
 from lowcomm.transport.shaper import LinkShaper
-from lowcomm.transport.wire import Channels, Traffic, deadline_after, start_server
+from lowcomm.transport.wire import Channels, Traffic, start_server
 
 logger = logging.getLogger(__name__)
 SERVER_GRACE_S = 1.0
@@ -62,7 +63,7 @@ class PeerContext:
         """DHT, the signed run config, the gRPC server, the reachability check and the state holder."""
         o = self.options
         self.control = ControlPlane.start(self.identity, o.run_name, initial_peers=o.coordinator,
-                                          host=o.dht_host or o.host)
+                                          host=o.dht_host or o.host, port=o.dht_port, announce=o.announce_addr)
         # only now: the DHT's child process, forked above, must keep the default SIGTERM and SIGINT, or a
         # signal to the whole process group (kill -- -PGID, systemd) leaves it running and the peer hung
         self.install_signal_handlers()
@@ -73,25 +74,21 @@ class PeerContext:
         self.service = PeerService(self.me, self.traffic, self.channels)
         self.service.on_error = lambda method, error: self.log.event("reject", method=method, error=error[:200])
         self.server, port = start_server(self.service, o.host, o.port, sync.chunk_bytes)
-        self.endpoint = o.announce_addr or f"{o.host}:{port}"
-        self.client_mode = o.client_mode if o.client_mode is not None else not self._reachable()
+        self.endpoint = grpc_endpoint(o.host, port, o.announce_addr)
+        self.client_mode = self._decide_client_mode()
         self.holder = StateHolder(o.run_name, sync.chunk_bytes)
         self.service.state_handler = self.holder.serve
         self.service.checkpointer = peer_id_of(owner_marker_from_text(o.run_key))
 
-    def _reachable(self) -> bool:
-        """Asks a known peer (or the coordinator) to dial us back; no answer means client mode."""
-        for record in self.control.live_peers().values():
-            try:
-                request, timeout = wire_pb2.PingRequest(sender=self.me, dial_back=self.endpoint), 10.0
-                deadline = deadline_after(timeout)
-                self.traffic.count_sent(request, deadline)
-                reply = self.channels.stub(record.endpoint).Ping(request, timeout=timeout)
-                self.traffic.count_received(reply, deadline)
-                return reply.dial_back_ok
-            except Exception as e:  # any failure of the helper: try the next one
-                logger.info("reachability check through %s failed: %s", record.endpoint, e)
-        return True  # nobody to ask: we are the first, others will dial us
+    def _decide_client_mode(self) -> bool:
+        """--client-mode / --no-client-mode, else a dial-back through a helper (runtime.reachability);
+        the decision is logged as a `reachability` event."""
+        forced = self.options.client_mode
+        endpoints = helpers(self.control.live_peers(), self.me) if forced is None else []
+        verdict = decide(forced, endpoints, dial_back(self.channels, self.traffic, self.me, self.endpoint))
+        explain(verdict, self.endpoint)
+        self.log.event("reachability", endpoint=self.endpoint, dht=self.control.visible_maddrs(), **verdict.event())
+        return verdict.client_mode
 
     def install_signal_handlers(self) -> None:
         def request_stop(signum, _frame):

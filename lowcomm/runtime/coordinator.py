@@ -3,7 +3,9 @@
 Training does not depend on it: peers sync among themselves, and the config record it published
 outlives it for `CONFIG_TTL_S`. It checkpoints by downloading state from a training peer every
 `checkpoint.every_rounds` rounds; with `--resume DIR` it serves a checkpoint's state to the peers
-that join, and the run continues at that round.
+that join, and the run continues at that round. Its gRPC server answers peers' reachability checks
+(a Ping with a dial-back, transport.service), so a peer that joins always has someone to ask, the
+first one included.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from lowcomm.config import RunConfig
 from lowcomm.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from lowcomm.runtime.run_config import publish_run_config
 from lowcomm.runtime.state_transfer import Snapshot, StateError, StateHolder, download_state
+from lowcomm.transport.addresses import grpc_endpoint
 from lowcomm.transport.control import ControlPlane, PeerRecord
 from lowcomm.transport.identity import Identity
 from lowcomm.transport.service import PeerService
@@ -32,12 +35,14 @@ CONFIG_TTL_S = 24 * 3600.0
 
 
 class Coordinator:
-    def __init__(self, config: RunConfig, run_dir: Path, host: str = "127.0.0.1", port: int = 0,
-                 resume: Path | None = None, ready_file: Path | None = None, dht_host: str | None = None):
+    def __init__(self, config: RunConfig, run_dir: Path, host: str = "0.0.0.0", port: int = 0,
+                 resume: Path | None = None, ready_file: Path | None = None, dht_host: str | None = None,
+                 dht_port: int = 0, announce: str | None = None):
         self.config = config
         self.run_dir = Path(run_dir)
-        self.host, self.port = host, port
-        self.dht_host = dht_host or host  # the DHT (p2pd) may listen on another address than gRPC
+        self.host, self.port = host, port  # the gRPC data plane: peers' dial-back checks, state for joiners
+        self.dht_host, self.dht_port = dht_host or host, dht_port  # the DHT (p2pd): the join command's address
+        self.announce = announce  # HOST[:PORT] peers dial (transport.addresses); None: the listening address
         self.resume = resume
         self.ready_file = ready_file
         self.stop_requested = threading.Event()
@@ -53,7 +58,8 @@ class Coordinator:
                 raise CheckpointError(f"checkpoint {self.resume} is for config {resumed.config_hash}, not "
                                       f"{self.config.config_hash()}; pass the --config it was written with")
             self.last_checkpoint_round = resumed.round
-        self.control = ControlPlane.start(self.identity, run, host=self.dht_host, port=self.port)
+        self.control = ControlPlane.start(self.identity, run, host=self.dht_host, port=self.dht_port,
+                                          announce=self.announce)
         self.epoch = get_dht_time()
         publish_run_config(self.control, self.config, version=1, ttl=CONFIG_TTL_S, epoch=self.epoch)
         self.traffic = Traffic()
@@ -61,8 +67,10 @@ class Coordinator:
         self.service = PeerService(self.identity.peer_id, self.traffic, self.channels)
         self.holder = StateHolder(run, self.config.sync.chunk_bytes)
         self.service.state_handler = self.holder.serve
-        self.server, grpc_port = start_server(self.service, self.host, 0, self.config.sync.chunk_bytes, max_workers=16)
-        self.record = PeerRecord(self.identity.peer_id, f"{self.host}:{grpc_port}", state="coordinator")
+        self.server, grpc_port = start_server(self.service, self.host, self.port, self.config.sync.chunk_bytes,
+                                              max_workers=16)
+        endpoint = grpc_endpoint(self.host, grpc_port, self.announce)
+        self.record = PeerRecord(self.identity.peer_id, endpoint, state="coordinator")
         if resumed is not None:
             self.holder.publish(resumed)
             self.record.state, self.record.round = "holder", resumed.round

@@ -7,7 +7,8 @@ flags the user actually typed. A profile's keys are PeerOptions' field names:
     [peer]
     device = "cuda:0"
     host = "0.0.0.0"
-    port = 31337
+    port = 31400
+    dht_port = 31401
     client_mode = true
 
 An unknown key or a value of the wrong type is refused with one line naming it (the CLI exits 2).
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from lowcomm.config import ConfigError
+from lowcomm.transport.addresses import split_announce
 from lowcomm.transport.shaper import LinkSpec, parse_link_option
 
 DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -39,9 +41,10 @@ class PeerOptions:
     coordinator: list[str]
     run_key: str
     run_name: str = "lowcomm-default"
-    host: str = "127.0.0.1"
+    host: str = "0.0.0.0"  # every interface; the endpoint others dial is announced (transport.addresses)
     port: int = 0
-    announce_addr: str | None = None
+    announce_addr: str | None = None  # HOST or HOST:PORT others dial, for both planes (behind NAT, a proxy)
+    dht_port: int = 0  # the DHT's (p2pd's) port; 0: a free one
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     client_mode: bool | None = None  # None: decided by a dial-back check at join
     data_shard: int | None = None
@@ -91,12 +94,23 @@ def check(o: PeerOptions) -> None:
     for name, ok, allowed in (
             ("device", DEVICE.match(o.device), "auto, cpu, cuda or cuda:N"),
             ("port", 0 <= o.port <= 65535, "in [0, 65535] (0: any free port)"),
+            ("dht_port", 0 <= o.dht_port <= 65535, "in [0, 65535] (0: any free port)"),
+            ("announce_addr", o.announce_addr is None or _announce_ok(o.announce_addr),
+             "HOST or HOST:PORT, an address the other machines can dial"),
             ("num_shards", o.num_shards >= 1, ">= 1"),
             ("data_shard", o.data_shard is None or 0 <= o.data_shard < o.num_shards, f"in [0, num_shards = {o.num_shards})"),
             ("stage", o.stage is None or o.stage >= 0, ">= 0"),
             ("slowdown", o.slowdown >= 1, ">= 1")):
         if not ok:
             raise ConfigError(f"{name} = {getattr(o, name)!r}: must be {allowed}")
+
+
+def _announce_ok(text: str) -> bool:
+    try:
+        split_announce(text)
+    except ValueError:
+        return False
+    return True
 
 
 def convert(name: str, value: Any, where: str) -> Any:

@@ -6,7 +6,6 @@ Each check raises ConfigError with one line that names the option and says what 
 from __future__ import annotations
 
 import socket
-from pathlib import Path
 
 import torch
 from cryptography.hazmat.primitives.serialization import load_ssh_public_key
@@ -15,6 +14,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from lowcomm.config import ConfigError
 from lowcomm.runtime.checkpoint import CheckpointError, load_checkpoint
 from lowcomm.runtime.options import PeerOptions
+from lowcomm.transport.addresses import split_announce
 
 
 def check_multiaddrs(addresses: list[str], flag: str = "--coordinator") -> None:
@@ -62,17 +62,36 @@ def check_port_free(host: str, port: int, flag: str = "--port") -> None:
                               "pick another port") from None
 
 
+def check_announce(text: str | None) -> None:
+    if text is None:
+        return
+    try:
+        split_announce(text)
+    except ValueError as e:
+        raise ConfigError(f"--announce-addr {e}") from None
+
+
+def check_ports(host: str, port: int, dht_host: str | None, dht_port: int) -> None:
+    """The data plane's and the DHT's fixed ports: free, and not the same one."""
+    check_port_free(host, port)
+    check_port_free(dht_host or host, dht_port, "--dht-port")
+    if port and port == dht_port:
+        raise ConfigError(f"--port and --dht-port are both {port}; give the DHT another port")
+
+
 def check_peer(options: PeerOptions) -> None:
     check_multiaddrs(options.coordinator)
     check_run_key(options.run_key)
-    check_device(options.device)
-    check_port_free(options.host, options.port)
+    check_device(options.device)  # options.check has checked --announce-addr
+    check_ports(options.host, options.port, options.dht_host, options.dht_port)
 
 
-def check_coordinator(host: str, port: int, resume: Path | None) -> None:
-    check_port_free(host, port)
-    if resume is not None:
+def check_coordinator(args) -> None:
+    """`coordinator start`'s arguments: the addresses and ports, and the --resume folder."""
+    check_announce(args.announce_addr)
+    check_ports(args.host, args.port, args.dht_host, args.dht_port)
+    if args.resume is not None:
         try:
-            load_checkpoint(resume)
+            load_checkpoint(args.resume)
         except CheckpointError as e:
             raise ConfigError(f"--resume: {e}") from None

@@ -19,6 +19,7 @@ from typing import Any
 import hivemind
 from hivemind.utils import get_dht_time
 
+from lowcomm.transport.addresses import dht_maddrs
 from lowcomm.transport.identity import Identity, peer_id_of
 
 logger = logging.getLogger(__name__)
@@ -94,11 +95,15 @@ class ControlPlane:
 
     @classmethod
     def start(cls, identity: Identity, run: str, initial_peers: list[str] | None = None,
-              host: str = "127.0.0.1", port: int = 0, announce_maddrs: list[str] | None = None) -> "ControlPlane":
+              host: str = "127.0.0.1", port: int = 0, announce: str | None = None) -> "ControlPlane":
+        """A DHT node listening on `host:port` (0: a free port) that announces what others dial:
+        `announce`'s host (HOST[:PORT], as --announce-addr), else `host`, else, for 0.0.0.0, this
+        machine's primary address (transport.addresses)."""
         try:
+            host_maddrs, announce_maddrs = dht_maddrs(host, port, announce)
             dht = hivemind.DHT(
                 initial_peers=initial_peers or [],
-                host_maddrs=[f"/ip4/{host}/tcp/{port}"],
+                host_maddrs=host_maddrs,
                 announce_maddrs=announce_maddrs,
                 record_validators=[identity.validator],
                 start=True,

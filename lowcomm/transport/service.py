@@ -131,7 +131,10 @@ class PeerService(wire_pb2_grpc.PeerServicer):
                 self.traffic.count_sent(probe, probe_deadline)
                 answer = self.channels.stub(request.dial_back).Ping(probe, timeout=timeout)
                 self.traffic.count_received(answer, probe_deadline)
-                reply.dial_back_ok = bool(answer.peer_id)
+                # the asker itself must answer, not whatever else listens at that address
+                reply.dial_back_ok = answer.peer_id == request.sender if request.sender else bool(answer.peer_id)
+                if not reply.dial_back_ok:
+                    reply.error = f"{request.dial_back} answered as {answer.peer_id or 'nobody'}, not {request.sender}"
             except grpc.RpcError as e:
                 reply.error = f"dial back to {request.dial_back} failed: {e.code().name}"
         self.traffic.count_sent(reply, deadline)

@@ -59,7 +59,7 @@ def test_a_device_torch_does_not_see(capsys, run_key):
 
 def test_a_port_already_in_use(capsys, run_key, busy_port):
     assert join(run_key, "--port", str(busy_port)) == 2
-    assert f"--port {busy_port} on 127.0.0.1 is not free" in one_line_error(capsys)
+    assert f"--port {busy_port} on 0.0.0.0 is not free" in one_line_error(capsys)
     assert main(["coordinator", "start", "--port", str(busy_port)]) == 2
     assert "is not free" in one_line_error(capsys)
 

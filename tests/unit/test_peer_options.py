@@ -26,7 +26,7 @@ def test_no_profile_gives_the_old_defaults():
     o = options(*JOIN)
     assert o == PeerOptions(coordinator=["/ip4/127.0.0.1/tcp/1/p2p/x"], run_key="key")
     assert (o.run_name, o.host, o.port, o.device, o.client_mode, o.num_shards, o.slowdown, o.link) == \
-        ("lowcomm-default", "127.0.0.1", 0, "auto", None, 64, 1.0, None)
+        ("lowcomm-default", "0.0.0.0", 0, "auto", None, 64, 1.0, None)
 
 
 def test_the_profile_sets_what_no_flag_gives(tmp_path):
