@@ -27,6 +27,8 @@ program run through `node.wrap(cmd)`, lowcomm or not.
   BUFFER_S (100 ms) of its link (16 to 1000 frames), so a download fed faster than it drains drops
   packets as an access link does instead of queueing seconds of delay. There is no latency here:
   the `netem` qdisc is not available, so latency stays in the application shaper.
+- **Refusing connections.** `refuse_inbound(node)` drops the TCP SYN-ACKs the node sends, so no
+  connection to it completes while its own outbound ones do: a peer behind NAT or a firewall.
 - **Counting.** GSO is off on the lab's veths (gso_max_segs 1), so every packet the qdisc sees is
   one wire frame: the veth counters and the htb class counters count the same frames, Ethernet
   header included, for every program alike. `counters()` reads the host-side veth, whose rx is the
@@ -60,8 +62,8 @@ from lowcomm.transport.netns_cleanup import (_kill_inside, _locked, _marker_path
 from lowcomm.transport.netns_commands import (BURST_S, FRAME_BYTES, MAX_NODES, NODE_NAME, RUN_DIR,  # noqa: F401
                                               TAG_PATTERN, TAG_PREFIX, UNCAPPED_BITS, HtbParams, NetnsError,
                                               NetnsUnavailable, _class_bytes, _disable_ipv6, _htb_commands,
-                                              _ip_batch, _list_links, _list_netns, _run, _tc_batch,
-                                              choose_subnets, host_networks, unavailable_reason)
+                                              _ip_batch, _list_links, _list_netns, _refusal_commands, _run,
+                                              _tc_batch, choose_subnets, host_networks, unavailable_reason)
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +80,7 @@ class Node:
     control_address: str  # control subnet: the DHT / p2pd
     host_veth: str  # the veth's end in the root namespace, on the bridge
     rate_bits: float | None = None  # None: uncapped
+    refuses_inbound: bool = False  # NetnsLab.refuse_inbound: nobody can open a connection to it
     final: dict | None = field(default=None, repr=False)  # counters and class bytes when the lab closed
 
     def wrap(self, cmd: list[str]) -> list[str]:
@@ -226,6 +229,12 @@ class NetnsLab:
         _tc_batch(_htb_commands("eth0", params, self.control_net, new=False), netns=node.ns)
         _tc_batch(_htb_commands(node.host_veth, params, self.control_net, new=False))
         node.rate_bits = rate_bits
+
+    def refuse_inbound(self, node: Node) -> None:
+        """From now on nobody can open a TCP connection to `node` (its SYN-ACKs are dropped), on either
+        plane; the connections it opens work as before. It stands for a peer behind NAT or a firewall."""
+        _tc_batch(_refusal_commands("eth0"), netns=node.ns)
+        node.refuses_inbound = True
 
     def sent_bytes(self) -> dict[str, int]:
         """What all nodes put on their links, per plane, and in all (for a report's bytes and control_bytes)."""

@@ -34,7 +34,7 @@ COMMAND_TIMEOUT_S = 30.0
 KILL_TIMEOUT_S = 10.0
 LOCK_TIMEOUT_S = 60.0
 WHAT_TO_DO = "run as root (sudo) or drop --netns to use the application shaper (--link)"
-DATA_CLASS, CONTROL_CLASS = "1:10", "1:20"
+DATA_CLASS, CONTROL_CLASS, REFUSED_CLASS = "1:10", "1:20", "1:30"
 
 
 class NetnsError(RuntimeError):
@@ -162,9 +162,22 @@ def _htb_commands(device: str, params: HtbParams, control_net: ipaddress.IPv4Net
                      f"limit {params.queue_frames}")
     if new:
         for field_name in ("src", "dst"):
-            lines.append(f"filter add dev {device} parent 1: protocol ip prio 1 u32 match ip {field_name} "
+            # prio 2: a node's refusal of inbound connections (prio 1) is matched first
+            lines.append(f"filter add dev {device} parent 1: protocol ip prio 2 u32 match ip {field_name} "
                          f"{control_net} flowid {CONTROL_CLASS}")
     return lines
+
+
+def _refusal_commands(device: str) -> list[str]:
+    """Drops every TCP SYN-ACK `device` sends: nobody completes a connection to the node, while the
+    connections it opens itself (it sends the SYN, receives the SYN-ACK) work. A stateless firewall
+    with no open port, or a NAT without forwarding, as others see it; tc alone, since the kernel here
+    may have no netfilter and no tc actions. Matches IPv4 headers without options (20 bytes), so the
+    TCP flags are at byte 33; the class's pfifo holds 0 packets, so all it gets is dropped."""
+    return [f"class add dev {device} parent 1:1 classid {REFUSED_CLASS} htb rate 8kbit ceil 8kbit",
+            f"qdisc add dev {device} parent {REFUSED_CLASS} handle 30: pfifo limit 0",
+            f"filter add dev {device} parent 1: protocol ip prio 1 u32 match u8 0x45 0xff at 0 "
+            f"match ip protocol 6 0xff match u8 0x12 0x12 at 33 flowid {REFUSED_CLASS}"]
 
 
 _CLASS_STATS = re.compile(r"^class htb (\d+:\d+) [^\n]*\n\s*Sent (\d+) bytes (\d+) pkt", re.M)

@@ -46,9 +46,10 @@ while True:
 CLIENT = r"""
 import json, socket, sys, time
 host, port, nbytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+connect_s = float(sys.argv[4]) if len(sys.argv) > 4 else 60.0
 started = time.monotonic()
 try:
-    conn = socket.create_connection((host, port), timeout=60)
+    conn = socket.create_connection((host, port), timeout=connect_s)
 except OSError as error:
     print(json.dumps({"error": error.__class__.__name__}))
     sys.exit(0)
@@ -105,11 +106,12 @@ class Processes:
         process = self.start(node.wrap([sys.executable, "-I", "-c", SERVER, host]))
         return process, int(read_line(process))
 
-    def push(self, node, host: str, port: int, nbytes: int) -> dict:
-        return self.finish(self.start_push(node, host, port, nbytes))
+    def push(self, node, host: str, port: int, nbytes: int, connect_s: float = 60.0) -> dict:
+        return self.finish(self.start_push(node, host, port, nbytes, connect_s))
 
-    def start_push(self, node, host: str, port: int, nbytes: int) -> subprocess.Popen:
-        return self.start(node.wrap([sys.executable, "-I", "-c", CLIENT, host, str(port), str(nbytes)]))
+    def start_push(self, node, host: str, port: int, nbytes: int, connect_s: float = 60.0) -> subprocess.Popen:
+        return self.start(node.wrap([sys.executable, "-I", "-c", CLIENT, host, str(port), str(nbytes),
+                                     str(connect_s)]))
 
     @staticmethod
     def finish(process: subprocess.Popen) -> dict:
@@ -269,6 +271,20 @@ def test_tcp_between_namespaces_only_over_the_labs_addresses(lab, processes):
     routes = subprocess.run(b.wrap(["ip", "-4", "-j", "route", "show"]), capture_output=True, text=True, timeout=30)
     assert {route["dst"] for route in json.loads(routes.stdout)} == {"default", str(lab.data_net),
                                                                      str(lab.control_net)}
+
+
+@needs_netns
+@pytest.mark.timeout(90)
+def test_a_node_that_refuses_inbound_connections_still_dials_out(lab, processes):
+    a, b = lab.add_node("a"), lab.add_node("b")
+    lab.refuse_inbound(a)
+    _, a_port = processes.server(a)
+    _, b_port = processes.server(b)
+    assert processes.push(a, b.address, b_port, 1000)["echo"] == 1000  # out: as before
+    for address in (a.address, a.control_address):  # in: no connection completes, on either plane
+        assert processes.push(b, address, a_port, 1000, connect_s=3) == {"error": "TimeoutError"}
+    assert processes.push(a, b.control_address, b_port, 1000)["echo"] == 1000
+    assert a.refuses_inbound and not b.refuses_inbound
 
 
 def delta(after: dict, before: dict) -> dict:
