@@ -119,7 +119,7 @@ class Replica(ABC):
 
     def global_model(self):
         """A context in which the model holds the global parameters (evaluation)."""
-        return nullcontext()
+        return nullcontext(self.model)
 
     # ---- state for joiners, resyncs and checkpoints ------------------------------------------
 

@@ -61,9 +61,10 @@ class DenseMean:
         return decode_contribution(blob, self.name, bounds[1] - bounds[0])
 
     def close(self, items: dict[str, tuple[object, float]], bounds: tuple[int, int]) -> bytes:
-        if items:
-            total = sum(values.to(torch.float32) * weight for values, weight in items.values())
-            mean = total / sum(weight for _, weight in items.values())
+        if items:  # summed in sender order: the same bytes whatever order the parts arrived in
+            ordered = [items[sender] for sender in sorted(items)]
+            total = sum(values.to(torch.float32) * weight for values, weight in ordered)
+            mean = total / sum(weight for _, weight in ordered)
         else:  # nobody contributed, not even the owner: an empty round
             mean = torch.zeros(bounds[1] - bounds[0])
         return get_codec(self.name, zstd_level=self.zstd_level).encode(mean)
