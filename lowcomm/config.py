@@ -33,7 +33,8 @@ from lowcomm.collectives.pair_payload import WIRE_CODECS as NOLOCO_CODECS
 from lowcomm.compress.base import MAX_ZSTD_LEVEL
 from lowcomm.compress.sparse import MAX_CHUNK
 from lowcomm.compress.topk import VALUE_CODECS
-from lowcomm.data.corpus import CORPORA, DataConfig
+from lowcomm.data.corpus import BYTE_LEVEL, CORPORA, TOKEN_DTYPES, DataConfig
+from lowcomm.models.factory import factory_spec_error
 from lowcomm.models.gpt import ModelConfig
 from lowcomm.pipeline.config import RECOVERIES, STAGE_SYNC_ALGOS, PipelineConfig
 from lowcomm.runtime.checkpoint import CheckpointConfig
@@ -44,7 +45,7 @@ from lowcomm.transport.shaper import LinkConfig, parse_link_option
 ALGOS = ("diloco", "streaming-diloco", "sparseloco", "demo", "noloco", "ddp")
 PER_STEP_ALGOS = ("ddp", "demo")  # sync every optimizer step, in membership epochs
 UNHASHED_SECTIONS = ("link", "churn")  # the emulated network: not part of what makes two runs the same
-BYTE_VOCAB = 256  # the stdlib corpus is byte-level: every token id is < 256
+BYTE_VOCAB = 256  # the stdlib and text corpora are byte-level: every token id is < 256
 
 _AT_LEAST_1 = (lambda v: v >= 1, ">= 1")
 _AT_LEAST_0 = (lambda v: v >= 0, ">= 0")
@@ -210,9 +211,7 @@ class RunConfig:
         if self.model.d_model % self.model.n_heads:
             raise ConfigError(f"model.d_model = {self.model.d_model}: must be divisible by model.n_heads = "
                               f"{self.model.n_heads}")
-        if self.model.vocab_size < BYTE_VOCAB:
-            raise ConfigError(f"model.vocab_size = {self.model.vocab_size}: must be >= {BYTE_VOCAB} "
-                              f"(data.corpus {self.data.corpus!r} is byte-level)")
+        self._validate_model_and_data()
         self._validate_topk()
         self._validate_noloco()
         self._validate_streaming()
@@ -225,11 +224,27 @@ class RunConfig:
 
     def _choices(self) -> list[tuple[str, str, Any]]:
         return [("run.algo", self.run.algo, ALGOS), ("data.corpus", self.data.corpus, CORPORA),
+                ("data.dtype", self.data.dtype, TOKEN_DTYPES),
                 ("diloco.codec", self.diloco.codec, DILOCO_CODECS),
                 ("streaming.codec", self.streaming.codec, STREAMING_CODECS),
                 ("sparseloco.values", self.sparseloco.values, VALUE_CODECS),
                 ("noloco.codec", self.noloco.codec, NOLOCO_CODECS),
                 ("pipeline.recovery", self.pipeline.recovery, RECOVERIES)]
+
+    def _validate_model_and_data(self) -> None:
+        """The factory's form (it is imported where the model is built), the vocabulary a byte-level corpus
+        needs, a path for the corpora read from disk. The data's own checks run when it is loaded."""
+        m, d = self.model, self.data
+        problem = factory_spec_error(m.factory)
+        if problem:
+            raise ConfigError(problem)
+        if d.corpus in BYTE_LEVEL and m.vocab_size < BYTE_VOCAB:
+            raise ConfigError(f"model.vocab_size = {m.vocab_size}: must be >= {BYTE_VOCAB} "
+                              f"(data.corpus {d.corpus!r} is byte-level)")
+        if d.corpus in ("tokens", "text") and not d.path:
+            what = "a .bin token file or a folder holding train.bin and val.bin" if d.corpus == "tokens" else \
+                "a folder of text files"
+            raise ConfigError(f"data.corpus = {d.corpus!r} needs data.path: {what}")
 
     def _validate_topk(self) -> None:
         """k per chunk must fit a full chunk (chunk x chunk entries); SparseLoCo's k is also even (§3)."""
@@ -254,7 +269,7 @@ class RunConfig:
                               "through streaming.fragment_sync_delay; set diloco.overlap = false")
         if not self.streaming_run:
             return  # the schedule only has to fit the model and H when it runs
-        if not 1 <= s.fragments <= self.model.n_layers:
+        if not self.model.factory and not 1 <= s.fragments <= self.model.n_layers:
             raise ConfigError(f"streaming.fragments = {s.fragments}: must be in [1, model.n_layers = "
                               f"{self.model.n_layers}] (fragments are strided over transformer blocks)")
         try:
@@ -268,6 +283,9 @@ class RunConfig:
         if self.model.n_layers % p.stages:
             raise ConfigError(f"pipeline.stages = {p.stages}: must divide model.n_layers = "
                               f"{self.model.n_layers} (every stage holds the same number of blocks)")
+        if p.stages > 1 and self.model.factory:
+            raise ConfigError(f"pipeline.stages = {p.stages} with model.factory = {self.model.factory!r}: pipelines "
+                              "cut the built-in GPT only; set pipeline.stages = 1 or model.factory = \"\"")
         if p.recovery == "checkpoint" and p.checkpoint_every_rounds < 1:
             raise ConfigError("pipeline.recovery = 'checkpoint' needs pipeline.checkpoint_every_rounds >= 1")
         if p.stages > 1 and (self.run.algo not in STAGE_SYNC_ALGOS or self.overlap):

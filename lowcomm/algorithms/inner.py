@@ -4,12 +4,13 @@ This module owns the [inner] section of the run config and `InnerOptimizer`, the
 that the training peer's trainer (runtime.trainer) and the pipeline's stage server
 (pipeline.server) both run: the gradient norm (clipped when `grad_clip` > 0), a guard that drops a
 non-finite gradient before it reaches the weights, then AdamW at the warmed-up lr times a scale
-(CheckFree raises a rebuilt stage's).
+(CheckFree raises a rebuilt stage's). `TorchInner` puts a user's own torch optimizer (the Python
+API, lowcomm.api) behind the same calls: the same clipping and guard, its own learning rate.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +33,20 @@ class NonFiniteGradient(ValueError):
     """The gradient had an inf or NaN: the step was skipped and the gradients dropped."""
 
 
+def clip_gradients(params: list[torch.nn.Parameter], limit: float, drop: Callable[[], None]) -> float:
+    """The gradients' global norm after clipping them to `limit` (0: no clipping); a norm that is not
+    finite calls `drop()` (the gradients are dropped) and raises NonFiniteGradient."""
+    norm = torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None],
+                                          limit if limit > 0 else float("inf"))
+    if not torch.isfinite(norm):  # a poisoned gradient never reaches the weights
+        drop()
+        raise NonFiniteGradient("the gradient is not finite; the step was skipped")
+    return min(float(norm), limit) if limit > 0 else float(norm)
+
+
 class InnerOptimizer:
+    schedules_lr = True  # lr_at is the run's [inner] schedule (DeMo follows its warm-up)
+
     def __init__(self, params: Iterable[torch.nn.Parameter], config: InnerConfig, lr_scale: float = 1.0):
         self.config = config
         self.params = list(params)
@@ -52,13 +66,7 @@ class InnerOptimizer:
         """Clips the gradients in place (when `grad_clip` > 0) and returns their norm after clipping.
 
         Raises NonFiniteGradient, with the gradients dropped, when the norm is not finite."""
-        params = [p for p in self.params if p.grad is not None]
-        limit = self.config.grad_clip
-        norm = torch.nn.utils.clip_grad_norm_(params, limit if limit > 0 else float("inf"))
-        if not torch.isfinite(norm):  # a poisoned gradient never reaches the weights
-            self.zero_grad()
-            raise NonFiniteGradient("the gradient is not finite; the step was skipped")
-        self.grad_norm = min(float(norm), limit) if limit > 0 else float(norm)
+        self.grad_norm = clip_gradients(self.params, self.config.grad_clip, self.zero_grad)
         return self.grad_norm
 
     def step(self, step: int) -> None:
@@ -66,3 +74,38 @@ class InnerOptimizer:
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr_at(step)
         self.optimizer.step()
+
+
+class TorchInner:
+    """A user's torch optimizer as the inner step: InnerOptimizer's calls, the user's own learning rate.
+
+    `step` runs ``optimizer.step()`` then ``scheduler.step()`` when a scheduler is given; `lr_at` only
+    reports the first group's lr (nothing here sets it). Clipping and the non-finite guard are
+    InnerOptimizer's (`grad_clip` 0: no clipping)."""
+
+    schedules_lr = False
+
+    def __init__(self, optimizer: torch.optim.Optimizer, grad_clip: float = 0.0, scheduler=None):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer is a {type(optimizer).__name__}; pass a torch.optim.Optimizer over the "
+                            "model's parameters")
+        if not grad_clip >= 0:
+            raise ValueError(f"grad_clip = {grad_clip}: must be >= 0 (0: no clipping)")
+        self.optimizer, self.scheduler, self.grad_clip = optimizer, scheduler, grad_clip
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.grad_norm = 0.0
+
+    def lr_at(self, step: int) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def clip(self) -> float:
+        self.grad_norm = clip_gradients(self.params, self.grad_clip, self.zero_grad)
+        return self.grad_norm
+
+    def step(self, step: int) -> None:
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()

@@ -102,8 +102,11 @@ def strided_fragments(names: Sequence[str], fragments: int) -> list[int]:
     """Each parameter's fragment: transformer block b goes to b mod P (``blocks.<b>.`` in the name).
 
     Parameters before the first block (embeddings) join fragment 0, those after the last (head)
-    fragment P − 1, so the extras do not all land on one fragment.
+    fragment P − 1, so the extras do not all land on one fragment. A model with no ``blocks.<b>.``
+    in any name (a user's own) is strided by parameter instead: parameter i goes to i mod P.
     """
+    if not any(_BLOCK.search(name) for name in names):
+        return [i % fragments for i in range(len(names))]
     out, seen_block = [], False
     for name in names:
         match = _BLOCK.search(name)

@@ -1,41 +1,43 @@
-"""The embedded default corpus: the text of the Python standard library, tokenized byte-level.
+"""Which token stream a run trains on (the [data] section) and its held-out split.
 
-Nothing is downloaded. Every `*.py` file under the interpreter's stdlib directory (skipping
-site-packages, dist-packages and directories named `test` or `tests`) is read as raw bytes, in
-order of relative path, and joined with b"\\n". Each byte is one token, stored as uint16.
+Three sources, by `data.corpus`:
 
-The token stream is cached once per Python version as a raw uint16 file (`tokens.bin`, memmapped
-on load) and a small `meta.json`. Peers on one machine may build it at the same moment: each
-file is written to a temporary name and moved into place with `os.replace`, `meta.json` last, so
-a reader sees either no cache or a complete one; racing builders write identical bytes.
+- `stdlib` (the default, nothing downloaded): every `*.py` file under the interpreter's stdlib
+  directory (skipping site-packages, dist-packages and directories named `test` or `tests`), read as
+  raw bytes in order of relative path, joined with b"\\n"; one uint16 token per byte. Cached once
+  per Python version (data.cache).
+- `tokens`: a nanoGPT-style `.bin` file of uint16 or uint32 token ids, memmapped (data.token_file).
+- `text`: a folder of text files, byte-level like stdlib, cached by a fingerprint of the folder's
+  listing (data.text_folder).
 
-The held-out split is the LAST `holdout_fraction` of the stream, fixed, so every run and every
-algorithm is evaluated on the same text.
+The held-out split is fixed, so every run and every algorithm is evaluated on the same text: the LAST
+`holdout_fraction` of the stream, or nanoGPT's `val.bin` when `data.path` is a folder holding
+`train.bin` and `val.bin`. Each peer then reads its own shard of the train split (data.loader).
+`load_corpus(config, vocab_size, context)` also checks that the stream fits the model: every token
+id below `vocab_size` and room for a window of `context` + 1 tokens in both splits.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import platform
 import sysconfig
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from lowcomm.data.cache import TOKEN_DTYPE, cache_root, open_tokens, read_meta, write_cache
+from lowcomm.data.text_folder import TextFolderError, load_text_folder
+from lowcomm.data.token_file import DTYPES, TokenFileError, largest_token, token_file_splits
+
 log = logging.getLogger(__name__)
 
 EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests"})
-TOKEN_DTYPE = np.dtype("<u2")
-TOKENS_FILE = "tokens.bin"
-META_FILE = "meta.json"
-
-
-CORPORA = ("stdlib",)
+BYTE_LEVEL = ("stdlib", "text")  # one token per byte: every id < 256
+CORPORA = ("stdlib", "tokens", "text")
+TOKEN_DTYPES = tuple(DTYPES)
 
 
 @dataclass
@@ -43,28 +45,29 @@ class DataConfig:
     """The [data] section: which corpus, its held-out split, and how often the run evaluates."""
 
     corpus: str = "stdlib"  # one of CORPORA
-    holdout_fraction: float = 0.02  # the last fraction of the token stream, in (0, 1)
+    path: str = ""  # tokens: a .bin file, or a folder with train.bin and val.bin; text: a folder of text files
+    dtype: str = "uint16"  # tokens: the file's token type, one of TOKEN_DTYPES (little-endian)
+    holdout_fraction: float = 0.02  # the last fraction of the token stream, in (0, 1) (not with val.bin)
     eval_batches: int = 16  # held-out batches per evaluation
     eval_every_tokens: int = 61440  # the run's leader evaluates each time the global token count crosses this
 
 
 class CorpusError(RuntimeError):
-    """The corpus cannot be built or its cache is unusable; the message says what to do."""
+    """The corpus cannot be built or used with this model; the message says what to do."""
 
 
 @dataclass(frozen=True)
 class Corpus:
-    train: np.ndarray      # uint16 tokens, memmapped
-    heldout: np.ndarray    # uint16 tokens, memmapped; the last holdout_fraction of the stream
-    sha256: str            # of the whole token stream as little-endian uint16
+    train: np.ndarray      # token ids (uint16, or uint32 for a uint32 token file), memmapped
+    heldout: np.ndarray    # the held-out split, memmapped
+    sha256: str | None     # of the cached token stream as little-endian uint16 (None for a token file: not read whole)
     n_tokens: int          # train + heldout
-    python_version: str    # whose standard library the text is
+    python_version: str = ""  # stdlib: whose standard library the text is
 
 
 def cache_dir(python_version: str | None = None) -> Path:
     """`$LOWCOMM_CACHE` (or ~/.cache/lowcomm) / corpus-stdlib-<python version>."""
-    root = os.environ.get("LOWCOMM_CACHE") or Path.home() / ".cache" / "lowcomm"
-    return Path(root) / f"corpus-stdlib-{python_version or platform.python_version()}"
+    return cache_root() / f"corpus-stdlib-{python_version or platform.python_version()}"
 
 
 def stdlib_sources(stdlib: Path | None = None) -> list[Path]:
@@ -85,62 +88,70 @@ def tokenize_stdlib(stdlib: Path | None = None) -> np.ndarray:
     return np.frombuffer(text, dtype=np.uint8).astype(TOKEN_DTYPE)
 
 
-def load_corpus(config: DataConfig) -> Corpus:
-    """The cached stdlib corpus (built on first use), split into train and held-out tokens."""
+def load_corpus(config: DataConfig, vocab_size: int | None = None, context: int | None = None) -> Corpus:
+    """The configured corpus, split into train and held-out tokens; with `vocab_size` and `context`
+    (the model's), also checked to fit the model. CorpusError with one line saying what to do."""
     if config.corpus not in CORPORA:
-        raise CorpusError(f"data.corpus = {config.corpus!r}: this version ships only 'stdlib'")
+        raise CorpusError(f"data.corpus = {config.corpus!r}: use one of {', '.join(CORPORA)}")
     if not 0.0 < config.holdout_fraction < 1.0:
         raise CorpusError(f"data.holdout_fraction = {config.holdout_fraction}: must lie in (0, 1)")
+    try:
+        corpus = {"stdlib": _stdlib, "tokens": _token_file, "text": _text_folder}[config.corpus](config)
+    except (TokenFileError, TextFolderError) as e:
+        raise CorpusError(str(e)) from None
+    _check_fits(corpus, config, vocab_size, context)
+    return corpus
+
+
+def _split(tokens: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    split = len(tokens) - int(round(len(tokens) * fraction))
+    return tokens[:split], tokens[split:]
+
+
+def _stdlib(config: DataConfig) -> Corpus:
     directory = cache_dir()
-    meta = _read_meta(directory)
+    meta = read_meta(directory)
     if meta is None:
         meta = build_cache(directory)
-    tokens = np.memmap(directory / TOKENS_FILE, dtype=TOKEN_DTYPE, mode="r")
-    n_heldout = int(round(len(tokens) * config.holdout_fraction))
-    split = len(tokens) - n_heldout
-    return Corpus(train=tokens[:split], heldout=tokens[split:], sha256=meta["sha256"],
-                  n_tokens=len(tokens), python_version=meta["python_version"])
+    train, heldout = _split(open_tokens(directory), config.holdout_fraction)
+    return Corpus(train, heldout, meta["sha256"], len(train) + len(heldout), meta["python_version"])
 
 
 def build_cache(directory: Path) -> dict:
     """Tokenizes the stdlib into `directory`, atomically; returns the meta written."""
-    directory.mkdir(parents=True, exist_ok=True)
-    tokens = tokenize_stdlib()
-    meta = {
-        "corpus": "stdlib",
-        "sha256": hashlib.sha256(tokens.tobytes()).hexdigest(),
-        "n_tokens": int(len(tokens)),
-        "dtype": "uint16-le",
-        "python_version": platform.python_version(),
-    }
-    _write_atomic(directory / TOKENS_FILE, tokens.tobytes())
-    # meta.json last: its presence says tokens.bin is complete.
-    _write_atomic(directory / META_FILE, json.dumps(meta, indent=1).encode())
+    meta = write_cache(directory, [tokenize_stdlib()],
+                       {"corpus": "stdlib", "python_version": platform.python_version()})
     log.info("built stdlib corpus: %d tokens in %s", meta["n_tokens"], directory)
     return meta
 
 
-def _read_meta(directory: Path) -> dict | None:
-    """The cache's meta if the cache is complete and consistent, else None (rebuild)."""
-    try:
-        meta = json.loads((directory / META_FILE).read_text())
-        size = (directory / TOKENS_FILE).stat().st_size
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-    if size != meta.get("n_tokens", -1) * TOKEN_DTYPE.itemsize:
-        log.warning("corpus cache in %s is inconsistent; rebuilding it", directory)
-        return None
-    return meta
+def _token_file(config: DataConfig) -> Corpus:
+    train, heldout = token_file_splits(config.path, config.dtype)
+    if heldout is None:
+        train, heldout = _split(train, config.holdout_fraction)
+    return Corpus(train, heldout, None, len(train) + len(heldout))
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def _text_folder(config: DataConfig) -> Corpus:
+    tokens, meta = load_text_folder(config.path)
+    train, heldout = _split(tokens, config.holdout_fraction)
+    return Corpus(train, heldout, meta["sha256"], len(tokens))
+
+
+def _check_fits(corpus: Corpus, config: DataConfig, vocab_size: int | None, context: int | None) -> None:
+    """Room for one window of `context` + 1 tokens in each split; every token id below `vocab_size`."""
+    where = f"data.corpus = {config.corpus!r}" + (f" at {config.path!r}" if config.path else "")
+    if context is not None:
+        for name, split in (("train", corpus.train), ("held-out", corpus.heldout)):
+            if len(split) < context + 1:
+                raise CorpusError(f"{where}: the {name} split holds {len(split)} tokens, fewer than one window of "
+                                  f"model.context + 1 = {context + 1}; use more data, a smaller model.context or "
+                                  "another data.holdout_fraction")
+    if vocab_size is None or config.corpus in BYTE_LEVEL and vocab_size >= 256:
+        return
+    if np.iinfo(corpus.train.dtype).max < vocab_size:  # no id of this dtype can be out of range: no scan
+        return
+    largest = max(largest_token(corpus.train), largest_token(corpus.heldout))
+    if largest >= vocab_size:
+        raise CorpusError(f"{where} holds token id {largest}, beyond model.vocab_size = {vocab_size}; set "
+                          f"model.vocab_size >= {largest + 1} (or check data.dtype)")

@@ -6,15 +6,34 @@ peer's batches are reproducible and peers never read each other's text.
 
 Evaluation: one fixed set of evenly spaced windows over the held-out tokens, so every algorithm
 and every peer is scored on exactly the same data.
+
+The loss of a batch (`next_token_loss`, what training and evaluation both score unless a caller
+passes its own): ``model(x)``, whose output is the logits or a tuple with the logits first (the
+built-in GPT returns ``(logits, None)``), then the mean cross-entropy against the targets y.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]  # (model, x, y) -> scalar loss
+
+
+def logits_of(output) -> torch.Tensor:
+    """The logits in a model's output: the output itself, or the first element of a tuple."""
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def next_token_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of ``model(x)``'s logits [B, T, V] against the next tokens y [B, T]."""
+    logits = logits_of(model(x))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
 class TokenShard:
@@ -35,6 +54,12 @@ class TokenShard:
         self.batch_size = batch_size
         self.rng = np.random.default_rng([seed, shard_index])
 
+    def __iter__(self) -> "TokenShard":
+        return self
+
+    def __next__(self) -> Batch:
+        return self.next_batch()
+
     def next_batch(self) -> Batch:
         offsets = self.rng.integers(0, len(self.tokens) - self.context, size=self.batch_size)
         return _windows(self.tokens, offsets, self.context)
@@ -52,13 +77,13 @@ def heldout_batches(tokens: np.ndarray, context: int, batch_size: int, n_batches
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: list[Batch]) -> float:
+def evaluate(model: nn.Module, batches: list[Batch], loss_fn: LossFn = next_token_loss) -> float:
     """Mean loss of `model` over `batches`, in eval mode; the model's training mode is restored."""
     was_training = model.training
     model.eval()
     try:
         device = next(model.parameters()).device
-        losses = [model(x.to(device), y.to(device))[1].item() for x, y in batches]
+        losses = [loss_fn(model, x.to(device), y.to(device)).item() for x, y in batches]
     finally:
         model.train(was_training)
     return sum(losses) / len(losses)

@@ -19,8 +19,13 @@ INIT_STD = 0.02
 
 @dataclass
 class ModelConfig:
-    """The [model] section: the GPT's shape (byte-level by default: 256 tokens)."""
+    """The [model] section: the GPT's shape (byte-level by default: 256 tokens), or a factory of one's own.
 
+    `factory` = "package.module:callable" builds the run's model instead of the GPT (models.factory):
+    the callable gets this section and returns a torch module; the shape fields mean what it makes
+    of them, but `vocab_size` must cover the data's token ids and `context` is the window length."""
+
+    factory: str = ""  # "": the built-in GPT; "package.module:callable": a user's model (models.factory)
     vocab_size: int = 256
     d_model: int = 128  # divisible by n_heads
     n_layers: int = 4  # divisible by pipeline.stages

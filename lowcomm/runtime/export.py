@@ -2,7 +2,8 @@
 
 OUT gets `model.safetensors` (the global parameters under the model's own parameter names, float32)
 and `config.json` (the model section, the run config it was trained with and where it came from).
-`load_exported(OUT)` builds the model class back from the two. A checkpoint holds the algorithm's
+`load_exported(OUT)` builds the model class back from the two (the built-in GPT, or the
+`[model] factory`'s model, whose module must then be importable). A checkpoint holds the algorithm's
 state: φ (`phi.*`, the round-based algorithms) or the parameters themselves (`param.*`, ddp and
 DeMo); optimizer state is left behind. Pipelined runs keep stage checkpoints instead and are refused.
 """
@@ -17,9 +18,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from lowcomm.config import ConfigError, RunConfig
-from lowcomm.models.gpt import GPT, ModelConfig
+from lowcomm.models.factory import build_model
+from lowcomm.models.gpt import ModelConfig
 from lowcomm.runtime.checkpoint import CONFIG_FILE, CheckpointError, load_checkpoint
 
 MODEL_FILE, EXPORT_CONFIG = "model.safetensors", "config.json"
@@ -49,7 +52,7 @@ def export_checkpoint(checkpoint: Path, out: Path, config: RunConfig | None = No
     if config.pipelined:
         raise CheckpointError("a pipelined run keeps stage checkpoints (runtime.stage_checkpoints); export "
                               "takes a coordinator's checkpoint of a run without stages")
-    shapes = {name: tuple(p.shape) for name, p in GPT(config.model).named_parameters()}
+    shapes = {name: tuple(p.shape) for name, p in build_model(config.model).named_parameters()}
     params = _parameters(snapshot.blob, shapes, folder)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -63,11 +66,11 @@ def export_checkpoint(checkpoint: Path, out: Path, config: RunConfig | None = No
     return out
 
 
-def load_exported(folder: Path) -> GPT:
+def load_exported(folder: Path) -> nn.Module:
     """The model class with the exported parameters in it (on the CPU, float32)."""
     folder = Path(folder)
     meta = json.loads((folder / EXPORT_CONFIG).read_text())
-    model = GPT(ModelConfig(**meta["model"]))
+    model = build_model(ModelConfig(**meta["model"]))
     tensors = load_file(str(folder / MODEL_FILE))
     with torch.no_grad():
         for name, p in model.named_parameters():

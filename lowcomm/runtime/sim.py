@@ -36,8 +36,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from lowcomm.config import RunConfig
-from lowcomm.models.gpt import GPT
+from lowcomm.config import ConfigError, RunConfig
+from lowcomm.data.corpus import CorpusError, load_corpus
+from lowcomm.models.factory import ModelFactoryError, build_model
 from lowcomm.runtime.churn import ChurnExecutor, ChurnPlan, parse_churn
 from lowcomm.runtime.processes import (Process, SimulationError, spawn, terminate_ignored, terminate_raises,
                                        wait_for_file)
@@ -285,7 +286,8 @@ class Simulation:
         error: BaseException | None = None
         try:
             with terminate_raises():
-                self.open_lab()  # first: where namespaces cannot be made, nothing has started
+                self.check_model_and_data()
+                self.open_lab()  # where namespaces cannot be made, nothing has started
                 self.start_coordinator()
                 churn = self.churn_executor()
                 self.start_file.unlink(missing_ok=True)
@@ -330,8 +332,18 @@ class Simulation:
         except Exception:
             logger.exception("while removing the lab after %s", type(error).__name__)
 
+    def check_model_and_data(self) -> None:
+        """The [model] factory imports and builds a module, the [data] corpus loads and fits the model
+        (a text folder's cache is built here, once): ConfigError before any process starts."""
+        model = self.config.model
+        try:
+            build_model(model)
+            load_corpus(self.config.data, model.vocab_size, model.context)
+        except (ModelFactoryError, CorpusError) as e:
+            raise ConfigError(str(e)) from None
+
     def report(self, started: float) -> dict:
-        torch_params = GPT(self.config.model).num_parameters()
+        torch_params = sum(p.numel() for p in build_model(self.config.model).parameters())
         records = self.records()
         extra = {"config_hash": self.config.config_hash(), "run_dir": str(self.run_dir)}
         links = None

@@ -63,7 +63,7 @@ class StagePeer:
         self._final_scored = False
         self.tokens_per_step = cfg.inner.batch_size * cfg.model.context
         shard = o.data_shard if o.data_shard is not None else int(self.me, 16) % o.num_shards
-        corpus = load_corpus(cfg.data)
+        corpus = load_corpus(cfg.data, cfg.model.vocab_size, cfg.model.context)
         self.shard = TokenShard(corpus.train, shard, o.num_shards, cfg.model.context, cfg.inner.batch_size,
                                 cfg.run.seed)
         self.eval_batches = heldout_batches(corpus.heldout, cfg.model.context, cfg.inner.batch_size,

@@ -1,4 +1,12 @@
-"""The local half of a training peer: model, data shard, the inner optimizer (algorithms.inner), evaluation.
+"""The local half of a training peer: model, batches, the inner optimizer, the loss, evaluation.
+
+`Trainer` runs whatever parts it is given: a torch model, an inner step (algorithms.inner:
+lowcomm's AdamW or a user's torch optimizer), an iterator of (x, y) int64 batches, fixed held-out
+batches, the tokens one step trains on, a device and a loss rule (data.loader.next_token_loss:
+cross-entropy of ``model(x)``'s logits against y, unless the caller passes its own
+``loss_fn(model, x, y)``). `LocalTrainer(config, shard, num_shards, device)` builds the run
+config's parts: the [model] (the GPT or the factory's model, models.factory), shard `shard` of
+the [data] corpus, AdamW from [inner].
 
 One torch thread per peer process (oversubscribed cores make every deadline flaky).
 """
@@ -6,13 +14,15 @@ One torch thread per peer process (oversubscribed cores make every deadline flak
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Sequence
 
 import torch
+from torch import nn
 
 from lowcomm.algorithms.inner import InnerOptimizer, NonFiniteGradient
 from lowcomm.data.corpus import load_corpus
-from lowcomm.data.loader import TokenShard, evaluate, heldout_batches
-from lowcomm.models.gpt import GPT
+from lowcomm.data.loader import Batch, LossFn, TokenShard, evaluate, heldout_batches, logits_of, next_token_loss
+from lowcomm.models.factory import build_model
 
 
 def pick_device(requested: str) -> torch.device:
@@ -23,31 +33,43 @@ def pick_device(requested: str) -> torch.device:
     return torch.device(requested)
 
 
-class LocalTrainer:
-    def __init__(self, config, shard_index: int, num_shards: int, device: torch.device):
-        self.config = config
-        self.device = device
-        torch.manual_seed(config.run.seed)  # every peer starts from the same φ_0
-        self.model = GPT(config.model).to(device)
-        corpus = load_corpus(config.data)
-        self.shard = TokenShard(corpus.train, shard_index, num_shards, config.model.context,
-                                config.inner.batch_size, config.run.seed)
-        self.eval_batches = heldout_batches(corpus.heldout, config.model.context, config.inner.batch_size,
-                                            config.data.eval_batches)
-        self.inner = InnerOptimizer(self.model.parameters(), config.inner)
-        self.optimizer = self.inner.optimizer
-        self.tokens_per_step = config.inner.batch_size * config.model.context
+class Trainer:
+    def __init__(self, model: nn.Module, inner, batches: Iterator[Batch], heldout: Sequence[Batch],
+                 tokens_per_step: int, device: torch.device, loss_fn: LossFn | None = None):
+        if not heldout:
+            raise ValueError("the trainer needs held-out batches to evaluate on; pass at least one (x, y) batch")
+        self.model = model
+        self.inner = inner  # InnerOptimizer or TorchInner (algorithms.inner)
+        self.optimizer = inner.optimizer
+        self.batches = iter(batches)
+        self.eval_batches = list(heldout)
+        self.tokens_per_step = tokens_per_step
+        self.device = torch.device(device)
+        self.loss_fn = loss_fn or next_token_loss
         self.compute_s = 0.0
         self.skipped_steps = 0  # steps whose gradient was not finite (dropped before any sync or update)
+        self._checked = loss_fn is not None  # the default rule checks the logits cover the targets, once
 
     def lr_at(self, step: int) -> float:
         return self.inner.lr_at(step)
 
+    @property
+    def lr_schedule(self):
+        """The run's inner lr schedule for the replica (DeMo follows its warm-up); None with a user's optimizer."""
+        return self.inner.lr_at if self.inner.schedules_lr else None
+
     def forward_backward(self) -> float:
         t0 = time.perf_counter()
-        x, y = self.shard.next_batch()
+        try:
+            x, y = next(self.batches)
+        except StopIteration:
+            raise RuntimeError("the batch iterator ran out before the run's last step; make it yield at least "
+                               "run.steps batches (or loop over the data)") from None
+        x, y = x.to(self.device), y.to(self.device)
+        if not self._checked:
+            self._check_logits(x, y)
         self.inner.zero_grad()
-        _, loss = self.model(x.to(self.device), y.to(self.device))
+        loss = self.loss_fn(self.model, x, y)
         loss.backward()
         try:
             self.inner.clip()
@@ -62,4 +84,47 @@ class LocalTrainer:
         self.compute_s += time.perf_counter() - t0
 
     def evaluate(self) -> float:
-        return evaluate(self.model, [(x.to(self.device), y.to(self.device)) for x, y in self.eval_batches])
+        return evaluate(self.model, [(x.to(self.device), y.to(self.device)) for x, y in self.eval_batches],
+                        self.loss_fn)
+
+    @torch.no_grad()
+    def _check_logits(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """The first batch: the model's logits have one entry per token id the targets hold."""
+        self._checked = True
+        logits = logits_of(self.model(x))
+        largest = int(y.max())
+        vocab = logits.shape[-1] if logits.dim() >= 2 else 0
+        if vocab <= largest or logits.numel() != y.numel() * vocab:
+            raise ValueError(f"the model's output for x of shape {tuple(x.shape)} is {tuple(logits.shape)}; the loss "
+                             f"needs logits of shape {tuple(y.shape)} + (vocab,) with vocab > {largest} (the largest "
+                             "target id): make the model cover [model] vocab_size, or pass your own loss_fn")
+
+
+class LocalTrainer(Trainer):
+    """The run config's parts: its model (seeded by run.seed), shard `shard_index` of its corpus, AdamW."""
+
+    def __init__(self, config, shard_index: int, num_shards: int, device: torch.device):
+        self.config = config
+        model = config_model(config, device)
+        self.shard, heldout = config_data(config, shard_index, num_shards)
+        super().__init__(model, InnerOptimizer(model.parameters(), config.inner), self.shard, heldout,
+                         config_tokens_per_step(config), device)
+
+
+def config_model(config, device: torch.device) -> nn.Module:
+    """The [model] section's model on `device`, built after torch.manual_seed(run.seed): every peer starts
+    from the same φ_0."""
+    return build_model(config.model, seed=config.run.seed).to(device)
+
+
+def config_data(config, shard_index: int, num_shards: int) -> tuple[TokenShard, list[Batch]]:
+    """Shard `shard_index` of `num_shards` of the [data] corpus's train split, and its held-out batches."""
+    model = config.model
+    corpus = load_corpus(config.data, model.vocab_size, model.context)
+    shard = TokenShard(corpus.train, shard_index, num_shards, model.context, config.inner.batch_size, config.run.seed)
+    heldout = heldout_batches(corpus.heldout, model.context, config.inner.batch_size, config.data.eval_batches)
+    return shard, heldout
+
+
+def config_tokens_per_step(config) -> int:
+    return config.inner.batch_size * config.model.context
