@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 from lowcomm.algorithms.base import ReplicaSpec, RoundDropped, RoundFailed, SyncHooks
 from lowcomm.algorithms.registry import PAIRS, algorithm, noloco_grouping
@@ -23,6 +24,7 @@ from lowcomm.collectives.base import GroupKey, RoundResult
 from lowcomm.collectives.manifest import ManifestAgreement
 from lowcomm.collectives.pair_exchange import PairExchange
 from lowcomm.collectives.sharded_reduce import ShardedReduce
+from lowcomm.config import ConfigError
 from lowcomm.runtime.console import Console, megabytes
 from lowcomm.runtime.context import PeerContext, round_timeout
 from lowcomm.runtime.evaluation import Evaluation
@@ -31,7 +33,7 @@ from lowcomm.runtime.membership import Membership
 from lowcomm.runtime.options import PeerOptions
 from lowcomm.runtime.progress import Progress
 from lowcomm.runtime.state_sync import StateSync
-from lowcomm.runtime.trainer import LocalTrainer, pick_device
+from lowcomm.runtime.trainer import LocalTrainer, Trainer, pick_device
 from lowcomm.transport.control import PeerRecord
 
 __all__ = ["Peer", "PeerOptions", "TrainingPeer"]
@@ -39,21 +41,29 @@ LATE_HOOK_WAIT_S = 120.0
 
 
 class Peer:
-    """The process's entry: opens the context, then runs the peer the run config calls for."""
+    """The process's entry: opens the context, then runs the peer the run config calls for.
 
-    def __init__(self, options: PeerOptions):
+    ``trainer(config, shard, num_shards, device)`` builds the training peer's trainer (default:
+    LocalTrainer, the run config's parts); the Python API (lowcomm.api) passes a user's parts here."""
+
+    def __init__(self, options: PeerOptions, trainer: Callable[..., Trainer] | None = None):
         self.ctx = PeerContext(options)
         self.me = self.ctx.me
+        self.make_trainer = trainer
+        self.peer: TrainingPeer | None = None  # once built: its evaluation holds the last held-out loss
 
     def run(self) -> int:
         ctx = self.ctx
         try:
             ctx.open()  # installs the signal handlers once the DHT's process is forked
             if ctx.config.pipelined:  # the run is cut into stages: this process serves one of them
+                if self.make_trainer is not None:
+                    raise ConfigError(f"run {ctx.options.run_name!r} is cut into {ctx.config.pipeline.stages} pipeline "
+                                      "stages of the built-in GPT; a model of your own joins runs without stages")
                 from lowcomm.runtime.stage_peer import StagePeer
                 peer = StagePeer(ctx)
             else:
-                peer = TrainingPeer(ctx)
+                peer = self.peer = TrainingPeer(ctx, self.make_trainer)
         except BaseException:
             ctx.log_leave()
             ctx.close()
@@ -62,12 +72,12 @@ class Peer:
 
 
 class TrainingPeer:
-    def __init__(self, ctx: PeerContext):
+    def __init__(self, ctx: PeerContext, trainer: Callable[..., Trainer] | None = None):
         self.ctx, self.config = ctx, ctx.config
         o, config = ctx.options, ctx.config
         device = pick_device(o.device)
         shard = o.data_shard if o.data_shard is not None else int(ctx.me, 16) % o.num_shards
-        self.trainer = LocalTrainer(config, shard, o.num_shards, device)
+        self.trainer = (trainer or LocalTrainer)(config, shard, o.num_shards, device)
         ctx.compute_seconds = lambda: self.trainer.compute_s
         self.progress = Progress()
         # a parked peer is connected but not in the run yet: no round waits for it
@@ -83,7 +93,8 @@ class TrainingPeer:
                           timeout_s=round_timeout(config.sync), total_steps=config.run.steps)
         self.replica = self.algorithm.replica(ReplicaSpec(
             self.trainer.model, config, self.collective, self.key, self.trainer.tokens_per_step,
-            self.trainer.optimizer, self.trainer.lr_at, lambda round_: agreement.read(self.key.group, round_), hooks))
+            self.trainer.optimizer, self.trainer.lr_schedule, lambda round_: agreement.read(self.key.group, round_),
+            hooks))
         self.state = StateSync(ctx, self.membership, self.replica, self.progress)
         self.evaluation = Evaluation(self.trainer.evaluate, self.replica, self.progress, ctx.log,
                                      config.data.eval_every_tokens, config.run.steps)

@@ -48,7 +48,8 @@ class Trainer:
         self.loss_fn = loss_fn or next_token_loss
         self.compute_s = 0.0
         self.skipped_steps = 0  # steps whose gradient was not finite (dropped before any sync or update)
-        self._checked = loss_fn is not None  # the default rule checks the logits cover the targets, once
+        if loss_fn is None:  # the default rule: the logits must cover the targets' ids
+            self._check_logits(*self.eval_batches[0])
 
     def lr_at(self, step: int) -> float:
         return self.inner.lr_at(step)
@@ -66,8 +67,6 @@ class Trainer:
             raise RuntimeError("the batch iterator ran out before the run's last step; make it yield at least "
                                "run.steps batches (or loop over the data)") from None
         x, y = x.to(self.device), y.to(self.device)
-        if not self._checked:
-            self._check_logits(x, y)
         self.inner.zero_grad()
         loss = self.loss_fn(self.model, x, y)
         loss.backward()
@@ -89,15 +88,20 @@ class Trainer:
 
     @torch.no_grad()
     def _check_logits(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """The first batch: the model's logits have one entry per token id the targets hold."""
-        self._checked = True
-        logits = logits_of(self.model(x))
-        largest = int(y.max())
+        """On one held-out batch: the model takes the token ids and gives one logit per id the targets hold."""
+        x, y = x.to(self.device), y.to(self.device)
+        largest = int(max(x.max(), y.max()))
+        try:
+            logits = logits_of(self.model(x))
+        except (IndexError, RuntimeError) as e:
+            first = (str(e).strip().splitlines() or [""])[0][:160]
+            raise ValueError(f"the model fails on a batch of token ids up to {largest} ({type(e).__name__}: "
+                             f"{first}); give it a vocabulary above {largest} ([model] vocab_size)") from None
         vocab = logits.shape[-1] if logits.dim() >= 2 else 0
         if vocab <= largest or logits.numel() != y.numel() * vocab:
             raise ValueError(f"the model's output for x of shape {tuple(x.shape)} is {tuple(logits.shape)}; the loss "
                              f"needs logits of shape {tuple(y.shape)} + (vocab,) with vocab > {largest} (the largest "
-                             "target id): make the model cover [model] vocab_size, or pass your own loss_fn")
+                             "token id): make the model cover [model] vocab_size, or pass your own loss_fn")
 
 
 class LocalTrainer(Trainer):
