@@ -196,7 +196,7 @@ class Overlapped(Replica):
         theta = self._theta()
         self.inner.load_phi_into_model()
         try:
-            yield
+            yield self.inner.model
         finally:
             self._load(theta)
 
