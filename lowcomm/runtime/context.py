@@ -87,7 +87,11 @@ class PeerContext:
         endpoints = helpers(self.control.live_peers(), self.me) if forced is None else []
         verdict = decide(forced, endpoints, dial_back(self.channels, self.traffic, self.me, self.endpoint))
         explain(verdict, self.endpoint)
-        self.log.event("reachability", endpoint=self.endpoint, dht=self.control.visible_maddrs(), **verdict.event())
+        try:
+            dht = self.control.visible_maddrs()
+        except Exception as e:  # hivemind's ValueError when p2pd reports none: the record must not fail the join
+            dht = [f"unknown ({e})"]
+        self.log.event("reachability", endpoint=self.endpoint, dht=dht, **verdict.event())
         return verdict.client_mode
 
     def install_signal_handlers(self) -> None:

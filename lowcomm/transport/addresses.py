@@ -118,7 +118,7 @@ def maddr(host: str, port: int) -> str:
 
 
 def free_port(host: str) -> int:
-    """A TCP port nobody listens on at `host` now (the DHT binds it right after)."""
+    """A TCP port nobody listens on at `host` at the time of the call (the DHT binds it right after)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((host.strip("[]") if not is_wildcard(host) else "", 0))

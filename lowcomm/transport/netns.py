@@ -231,7 +231,7 @@ class NetnsLab:
         node.rate_bits = rate_bits
 
     def refuse_inbound(self, node: Node) -> None:
-        """From now on nobody can open a TCP connection to `node` (its SYN-ACKs are dropped), on either
+        """After this call nobody can open a TCP connection to `node` (its SYN-ACKs are dropped), on either
         plane; the connections it opens work as before. It stands for a peer behind NAT or a firewall."""
         _tc_batch(_refusal_commands("eth0"), netns=node.ns)
         node.refuses_inbound = True
