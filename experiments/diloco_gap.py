@@ -178,6 +178,7 @@ def main() -> int:
             print(f"{name}: {'done' if rc == 0 else f'failed ({rc})'} in {took:.0f} s; {left} left, "
                   f"ETA {eta / 60:.0f} min", flush=True)
             print(write_table(args.out, args.steps), flush=True)
+    print(write_table(args.out, args.steps), flush=True)
     print(f"all cells in {(time.time() - t_start) / 60:.0f} min", flush=True)
     return 0
 

@@ -263,12 +263,18 @@ def status(args) -> int:
         now = time.time()
         print(f"run {args.run}: {len(peers)} live records")
         if not peers:
-            print(f"no peer or coordinator of run {args.run!r} is live in this DHT; check --run against the join "
-                  "command's --run (the default is lowcomm-default)")
-        print(f"{'peer':22} {'state':12} {'round':>6} {'step':>7} {'tok/s':>9} {'age':>5}  endpoint")
+            others = [run for run in control.runs_seen() if run != args.run]
+            seen = f"runs this DHT holds: {', '.join(others)}" if others else "this DHT lists no run"
+            print(f"no peer or coordinator of run {args.run!r} is live ({seen}); pass --run with the join "
+                  "command's --run")
+            return 1
+        print(f"{'peer':22} {'state':12} {'round':>6} {'step':>7} {'loss':>8} {'tok/s':>9} {'age':>5}  endpoint")
         for p in sorted(peers.values(), key=lambda r: r.peer_id):
-            print(f"{p.peer_id:22} {p.state:12} {p.round:>6} {p.step:>7} {p.throughput:>9.0f} "
+            loss = f"{p.loss:.4f}{'*' if p.loss_kind == 'train' else ' '}" if p.loss >= 0 else "n/a "
+            print(f"{p.peer_id:22} {p.state:12} {p.round:>6} {p.step:>7} {loss:>8} {p.throughput:>9.0f} "
                   f"{now - p.heartbeat:>4.0f}s  {p.endpoint}{' (client mode)' if p.client_mode else ''}")
+        if any(p.loss_kind == "train" for p in peers.values()):
+            print("loss: the latest held-out loss; * marks a training loss (no held-out evaluation yet)")
         newest = max((p.round for p in peers.values()), default=0)
         for round_ in range(max(0, newest - 2), newest + 1):
             for writer, manifest in control.manifests("0-0", round_).items():

@@ -32,6 +32,7 @@ from lowcomm.transport.wire import Channels, Traffic, start_server
 
 logger = logging.getLogger(__name__)
 CONFIG_TTL_S = 24 * 3600.0
+RUN_NAME_TTL_S = 180.0  # refreshed every minute: a run whose coordinator stopped drops off the list
 
 
 class Coordinator:
@@ -95,6 +96,7 @@ class Coordinator:
             try:
                 if time.monotonic() >= refresh_at:
                     publish_run_config(self.control, self.config, version=1, ttl=CONFIG_TTL_S, epoch=self.epoch)
+                    self.control.publish_run_name(ttl=RUN_NAME_TTL_S)
                     refresh_at = time.monotonic() + 60
                 self.control.publish_peer(self.record, self.config.sync.record_ttl_s)
                 self._maybe_checkpoint()

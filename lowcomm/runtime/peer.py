@@ -14,6 +14,7 @@ evaluation due after it, a resync when it fails.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -120,6 +121,10 @@ class TrainingPeer:
 
     def _fill_record(self, record: PeerRecord) -> None:
         record.throughput = self.progress.steps_done * self.trainer.tokens_per_step / max(self.trainer.compute_s, 1e-9)
+        held_out, train = self.evaluation.last_loss, self._train_loss
+        loss, kind = (held_out, "held-out") if held_out is not None else (train, "train")
+        if loss is not None and math.isfinite(loss):
+            record.loss, record.loss_kind = float(loss), kind
 
     # ---- the lifecycle -----------------------------------------------------------------------
 

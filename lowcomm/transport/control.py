@@ -24,6 +24,8 @@ from lowcomm.transport.identity import Identity, peer_id_of
 
 logger = logging.getLogger(__name__)
 DHT_CALL_S = 30.0  # the longest one store or get may take
+RUNS_KEY = "lowcomm.runs"  # every coordinator's run name, so `status` can list the runs a DHT holds
+MAX_RUN_NAME = 128
 
 
 class ConfigRejected(RuntimeError):
@@ -55,6 +57,8 @@ class PeerRecord:
     throughput: float = 0.0  # tokens per second of compute, measured
     round: int = 0  # rounds of global state this peer holds
     step: int = 0
+    loss: float = -1.0  # the peer's latest held-out loss, else its latest training loss (-1: none yet)
+    loss_kind: str = ""  # "held-out" | "train" | ""
     client_mode: bool = False
     heartbeat: float = field(default_factory=get_dht_time)
     # pipelines (runtime.stage_peer): the stage served (-1: none), whether it serves it yet
@@ -78,7 +82,8 @@ class PeerRecord:
         record.rollback_to, record.rollback_at = int(record.rollback_to), int(record.rollback_at)
         record.throughput, record.grad_norm, record.done_at = (float(record.throughput), float(record.grad_norm),
                                                                float(record.done_at))
-        if not all(map(math.isfinite, (record.throughput, record.grad_norm, record.done_at))):
+        record.loss, record.loss_kind = float(record.loss), str(record.loss_kind)[:16]
+        if not all(map(math.isfinite, (record.throughput, record.grad_norm, record.done_at, record.loss))):
             raise ValueError("peer record holds a non-finite number")
         return record
 
@@ -219,6 +224,17 @@ class ControlPlane:
             except (TypeError, ValueError):
                 self.rejected_records += 1
         return out
+
+    # ---- the runs this DHT holds ---------------------------------------------------------------
+
+    def publish_run_name(self, ttl: float) -> None:
+        """The coordinator lists its run under RUNS_KEY (its own subkey)."""
+        self._store(RUNS_KEY, {"peer_id": self.identity.peer_id, "run": self.run}, ttl)
+
+    def runs_seen(self) -> list[str]:
+        """The run names coordinators listed in this DHT (well-formed names only), sorted."""
+        names = {v.get("run") for v in self._read(RUNS_KEY).values()}
+        return sorted(n for n in names if isinstance(n, str) and 0 < len(n) <= MAX_RUN_NAME and n.isprintable())
 
     # ---- rounds ------------------------------------------------------------------------------
 

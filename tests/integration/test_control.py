@@ -47,3 +47,24 @@ def test_peer_record_naming_another_peer_is_dropped(swarm):
     attacker.dht.store("run-x.peers", spoof, 10**10, subkey=attacker.identity.owner_marker + b"x")
     peers = reader.live_peers()
     assert attacker.identity.peer_id in peers and "not-my-id" not in peers
+
+
+def test_status_shows_each_peers_loss_and_lists_the_runs_when_the_named_one_has_none(swarm, capsys):
+    from lowcomm.cli import main
+
+    coordinator, attacker, reader = swarm
+    coordinator.publish_run_name(ttl=60)
+    trainer = PeerRecord(attacker.identity.peer_id, "127.0.0.1:1", "training", round=3, step=90,
+                         loss=1.8765, loss_kind="held-out")
+    attacker.publish_peer(trainer, ttl=30)
+    maddr = coordinator.visible_maddrs()[0]
+    assert reader.runs_seen() == ["run-x"]
+
+    assert main(["status", "--coordinator", maddr, "--run", "run-x"]) == 0
+    out = capsys.readouterr().out
+    line = next(row for row in out.splitlines() if row.startswith(attacker.identity.peer_id))
+    assert "1.8765" in line and "training" in line
+
+    assert main(["status", "--coordinator", maddr, "--run", "run-typo"]) == 1
+    out = capsys.readouterr().out
+    assert "runs this DHT holds: run-x" in out and "--run" in out
