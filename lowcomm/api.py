@@ -96,7 +96,7 @@ def train(model: nn.Module | None = None, *, config: ConfigLike = None, peers: i
     batches(peer, peers): peer's iterator of (x, y); None: shard `peer` of the [data] corpus.
     heldout: the (x, y) batches every evaluation scores; None: the [data] corpus's (only with batches=None).
     on_step(peer, step): called after each inner step of each peer."""
-    from lowcomm.runtime.in_process import run_in_process  # noqa: PLC0415 - kept out of `import lowcomm`
+    from lowcomm.runtime.in_process import run_in_process  # loaded on use: `import lowcomm` stays light
 
     config = run_config(config)
     if peers < 1:
@@ -122,7 +122,11 @@ def train(model: nn.Module | None = None, *, config: ConfigLike = None, peers: i
             initial.append(made.evaluate())
         return made
 
-    run = run_in_process(config, peers, str(device), on_step, trainer=trainer)
+    threads = torch.get_num_threads()  # the run sets one per replica thread, as a peer process has
+    try:
+        run = run_in_process(config, peers, str(device), on_step, trainer=trainer)
+    finally:
+        torch.set_num_threads(threads)
     with run.replicas[0].global_model():
         final_model = copy.deepcopy(run.trainers[0].model)
     return Trained(initial[0], run.final_loss, final_model, run.rounds, run)
@@ -141,9 +145,9 @@ def join(coordinator: str | Sequence[str], run_key: str, *, model: nn.Module | N
     knows its data shard; None: its shard of the run's [data] corpus. run_dir: where the peer's records go
     (default runs/RUN_NAME). options: any other `peer join` option by its PeerOptions name (host, port,
     announce_addr, client_mode, data_shard, num_shards, ...)."""
-    from lowcomm.runtime.options import peer_options  # noqa: PLC0415 - the network stack loads on use only
-    from lowcomm.runtime.peer import Peer  # noqa: PLC0415
-    from lowcomm.runtime.preflight import check_peer  # noqa: PLC0415
+    from lowcomm.runtime.options import peer_options  # the network stack (hivemind) loads on use only
+    from lowcomm.runtime.peer import Peer
+    from lowcomm.runtime.preflight import check_peer
 
     addrs = [coordinator] if isinstance(coordinator, str) else list(coordinator)
     flags = {**options, "coordinator": addrs, "run_key": run_key, "run_name": run_name, "device": device,
