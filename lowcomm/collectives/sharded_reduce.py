@@ -175,7 +175,8 @@ class ShardedReduce(Collective):
         return RoundResult(aggregate, contributors, list(manifest.members),
                            {"manifest_s": t_manifest - t0, "reduce_s": time.monotonic() - t_manifest,
                             "leader": manifest.leader, "epoch": manifest.round, "lost_shards": lost,
-                            "shard_contributors": {j: r.contributors for j, r in replies.items()}})
+                            "shard_contributors": {j: r.contributors for j, r in replies.items()},
+                            "record": {"owners": list(manifest.owners)}})
 
     def _send(self, manifest: Manifest, key: GroupKey, round_: int, shard: int, blob: bytes, weight: float,
               bounds: tuple[int, int], deadline: float) -> ShardReply:
@@ -261,7 +262,7 @@ class ShardedReduce(Collective):
         aggregate = torch.cat([replies[j].values for j in range(len(manifest.owners))])
         return RoundResult(aggregate, contributors, list(manifest.members),
                            {"manifest_s": 0.0, "reduce_s": time.monotonic() - t0, "leader": manifest.leader,
-                            "epoch": manifest.round, "caught_up": True})
+                            "epoch": manifest.round, "caught_up": True, "record": {"owners": list(manifest.owners)}})
 
     def _fill_hole(self, manifest: Manifest, key: GroupKey, round_: int, shard: int, bounds: tuple[int, int],
                    ask_owner: bool = False, wait_s: float = 1.0):

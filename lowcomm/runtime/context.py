@@ -75,18 +75,20 @@ class PeerContext:
         self.service.on_error = lambda method, error: self.log.event("reject", method=method, error=error[:200])
         self.server, port = start_server(self.service, o.host, o.port, sync.chunk_bytes)
         self.endpoint = grpc_endpoint(o.host, port, o.announce_addr)
+        self.service.checkpointer = peer_id_of(owner_marker_from_text(o.run_key))  # the coordinator
         self.client_mode = self._decide_client_mode()
         self.holder = StateHolder(o.run_name, sync.chunk_bytes)
         self.service.state_handler = self.holder.serve
-        self.service.checkpointer = peer_id_of(owner_marker_from_text(o.run_key))
 
     def _decide_client_mode(self) -> bool:
         """--client-mode / --no-client-mode, else a dial-back through a helper (runtime.reachability);
-        the decision is logged as a `reachability` event."""
+        the decision is logged as a `reachability` event, and a warning it gives as a `warning` event."""
         forced = self.options.client_mode
-        endpoints = helpers(self.control.live_peers(), self.me) if forced is None else []
+        endpoints = helpers(self.control.live_peers(), self.me, self.service.checkpointer) if forced is None else []
         verdict = decide(forced, endpoints, dial_back(self.channels, self.traffic, self.me, self.endpoint))
-        explain(verdict, self.endpoint)
+        warning = explain(verdict, self.endpoint)
+        if warning is not None:
+            self.log.event("warning", about="reachability", message=warning[:500])
         try:
             dht = self.control.visible_maddrs()
         except Exception as e:  # hivemind's ValueError when p2pd reports none: the record must not fail the join

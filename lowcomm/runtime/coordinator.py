@@ -49,8 +49,12 @@ class Coordinator:
         self.stop_requested = threading.Event()
         self.identity = Identity.load_or_create(self.run_dir / "coordinator.key")
         self.last_checkpoint_round = 0
+        self.server = None  # the gRPC server, once started
+        self.channels: Channels | None = None
 
     def start(self) -> dict:
+        """The DHT, the signed config, the gRPC server and the coordinator's record; the join info. A
+        failure once the DHT runs stops the DHT (p2pd) and the gRPC server before it propagates."""
         run = self.config.run.name
         resumed = None
         if self.resume is not None:
@@ -61,6 +65,16 @@ class Coordinator:
             self.last_checkpoint_round = resumed.round
         self.control = ControlPlane.start(self.identity, run, host=self.dht_host, port=self.dht_port,
                                           announce=self.announce)
+        try:
+            return self._serve(run, resumed)
+        except BaseException:
+            try:
+                self.shutdown()
+            except Exception as e:  # the start's own error is the one to report
+                logger.warning("stopping after a failed start: %s", e)
+            raise
+
+    def _serve(self, run: str, resumed) -> dict:
         self.epoch = get_dht_time()
         publish_run_config(self.control, self.config, version=1, ttl=CONFIG_TTL_S, epoch=self.epoch)
         self.traffic = Traffic()
@@ -76,7 +90,7 @@ class Coordinator:
             self.holder.publish(resumed)
             self.record.state, self.record.round = "holder", resumed.round
         self.control.publish_peer(self.record, self.config.sync.record_ttl_s)
-        maddrs = self.control.visible_maddrs()
+        maddrs = self._join_maddrs()
         info = {"run": run, "maddrs": maddrs, "run_key": self.identity.public_key_text,
                 "endpoint": self.record.endpoint, "config_hash": self.config.config_hash(),
                 "resumed_round": resumed.round if resumed else None, "pid": os.getpid(),
@@ -87,6 +101,17 @@ class Coordinator:
             tmp.write_text(json.dumps(info, indent=1))
             os.replace(tmp, self.ready_file)
         return info
+
+    def _join_maddrs(self) -> list[str]:
+        """The DHT's multiaddrs for the join command; an error saying what to pass when p2pd reports none."""
+        try:
+            maddrs = self.control.visible_maddrs()
+        except ValueError:  # hivemind's, when p2pd reports no address
+            maddrs = []
+        if not maddrs:
+            raise RuntimeError("the DHT reports no address peers could dial; pass --announce-addr (or --dht-host) "
+                               "with an address of this machine the peers reach")
+        return maddrs
 
     def serve_forever(self) -> None:
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -130,8 +155,11 @@ class Coordinator:
         logger.info("checkpoint of round %d written to %s", snapshot.round, path)
 
     def shutdown(self) -> None:
+        """Stops the gRPC server and the channels (those started), then the DHT."""
         try:
-            self.server.stop(grace=1.0).wait(2.0)
-            self.channels.close()
+            if self.server is not None:
+                self.server.stop(grace=1.0).wait(2.0)
+            if self.channels is not None:
+                self.channels.close()
         finally:
             self.control.shutdown()

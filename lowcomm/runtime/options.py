@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from lowcomm.config import ConfigError
-from lowcomm.transport.addresses import split_announce
+from lowcomm.transport.addresses import is_host, split_announce
 from lowcomm.transport.shaper import LinkSpec, parse_link_option
 
 DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -93,6 +93,9 @@ def check(o: PeerOptions) -> None:
     """Values of the right type that still cannot work."""
     for name, ok, allowed in (
             ("device", DEVICE.match(o.device), "auto, cpu, cuda or cuda:N"),
+            ("host", is_host(o.host), "an IP address or a hostname (no scheme, no port, no spaces)"),
+            ("dht_host", o.dht_host is None or is_host(o.dht_host),
+             "an IP address or a hostname (no scheme, no port, no spaces)"),
             ("port", 0 <= o.port <= 65535, "in [0, 65535] (0: any free port)"),
             ("dht_port", 0 <= o.dht_port <= 65535, "in [0, 65535] (0: any free port)"),
             ("announce_addr", o.announce_addr is None or _announce_ok(o.announce_addr),

@@ -14,7 +14,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from lowcomm.config import ConfigError
 from lowcomm.runtime.checkpoint import CheckpointError, load_checkpoint
 from lowcomm.runtime.options import PeerOptions
-from lowcomm.transport.addresses import split_announce
+from lowcomm.transport.addresses import is_host, split_announce
 
 
 def check_multiaddrs(addresses: list[str], flag: str = "--coordinator") -> None:
@@ -62,6 +62,12 @@ def check_port_free(host: str, port: int, flag: str = "--port") -> None:
                               "pick another port") from None
 
 
+def check_host(text: str | None, flag: str = "--host") -> None:
+    if text is not None and not is_host(text):
+        raise ConfigError(f"{flag} {text!r} is not an IP address or a hostname; give one without a scheme, "
+                          "a port or spaces")
+
+
 def check_announce(text: str | None) -> None:
     if text is None:
         return
@@ -88,6 +94,8 @@ def check_peer(options: PeerOptions) -> None:
 
 def check_coordinator(args) -> None:
     """`coordinator start`'s arguments: the addresses and ports, and the --resume folder."""
+    check_host(args.host)
+    check_host(args.dht_host, "--dht-host")
     check_announce(args.announce_addr)
     check_ports(args.host, args.port, args.dht_host, args.dht_port)
     if args.resume is not None:

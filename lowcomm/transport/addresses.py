@@ -13,6 +13,9 @@ gRPC endpoint and the DHT's multiaddrs carry an address of this machine instead:
 
 The DHT (p2pd) announces exactly one multiaddr, /ip4/ADDRESS/tcp/PORT, so its port must be known
 before it starts: `--dht-port`, or a free one picked here.
+
+A host (of `--host`, `--announce-addr`, an endpoint) is an IP address or a hostname, nothing else:
+no scheme, no path, no spaces; an IPv6 address takes brackets before a port (`[2001:db8::1]:31400`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import functools
 import ipaddress
 import logging
+import re
 import socket
 import struct
 
@@ -28,24 +32,58 @@ WILDCARDS = frozenset({"", "0.0.0.0", "::", "[::]"})
 ROUTE_PROBE = ("8.8.8.8", 53)  # any internet address: connect() on a UDP socket only picks a route
 LOOPBACK = "127.0.0.1"
 SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
+HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                      r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$")
 
 
 def is_wildcard(host: str | None) -> bool:
     return host is None or host.strip() in WILDCARDS
 
 
+def ip_of(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """`host` as an IP address (IPv6 with or without brackets), None when it is not one."""
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        return ipaddress.ip_address(bare)
+    except ValueError:
+        return None
+
+
+def is_host(host: str) -> bool:
+    """An IP address or a hostname: no scheme, no path, no port, no spaces."""
+    return ip_of(host) is not None or HOSTNAME.match(host) is not None
+
+
 def split_announce(text: str) -> tuple[str, int | None]:
     """`HOST` or `HOST:PORT` (IPv6 as `[ADDR]:PORT`); ValueError with what is expected otherwise."""
     text = text.strip()
-    host, port = text, None
-    if text.startswith("["):
+    host, port, bracketed = text, None, text.startswith("[")
+    if bracketed:
         host, _, rest = text[1:].partition("]")
         port = rest[1:] if rest.startswith(":") else (None if not rest else "x")
     elif text.count(":") == 1:
         host, _, port = text.partition(":")
-    if not host or is_wildcard(host) or (port is not None and not (port.isdigit() and 0 < int(port) < 65536)):
-        raise ValueError(f"{text!r} is not HOST or HOST:PORT with a port in 1-65535 (an address others can dial)")
+    if (not host or is_wildcard(host) or not is_host(host) or (bracketed and ip_of(host) is None)
+            or (port is not None and not (port.isdigit() and 0 < int(port) < 65536))):
+        raise ValueError(f"{text!r} is not HOST or HOST:PORT, an IP address or hostname others can dial with a "
+                         "port in 1-65535")
     return host, int(port) if port is not None else None
+
+
+def split_endpoint(text: str) -> tuple[str, int]:
+    """`HOST:PORT` exactly (IPv6 as `[ADDR]:PORT`): no scheme, no path, a port in 1-65535; the host
+    unbracketed. ValueError otherwise."""
+    host, port = split_announce(text) if text == text.strip() else ("", None)
+    if port is None:
+        raise ValueError(f"{text!r} is not HOST:PORT")
+    return host, port
+
+
+def join_host_port(host: str, port: int) -> str:
+    """`host:port`, an IPv6 address in brackets."""
+    host = host.strip()
+    bracketed = ":" in host and not host.startswith("[")
+    return f"[{host}]:{port}" if bracketed else f"{host}:{port}"
 
 
 def route_source() -> str | None:
@@ -105,7 +143,7 @@ def announce_host(listen_host: str, announce: str | None = None) -> str:
 def grpc_endpoint(listen_host: str, port: int, announce: str | None = None) -> str:
     """`host:port` for the gRPC data plane: the announced host, and the announced port if one was given."""
     announced_port = split_announce(announce)[1] if announce else None
-    return f"{announce_host(listen_host, announce)}:{announced_port or port}"
+    return join_host_port(announce_host(listen_host, announce), announced_port or port)
 
 
 def maddr(host: str, port: int) -> str:

@@ -3,6 +3,13 @@
 Collectives register the reduce, hole-filling and pair-exchange handlers, the runtime registers the state
 provider; a call that arrives before its handler is registered gets a clear error, not a crash.
 Any exception a handler raises is turned into an error status and counted, never propagated.
+
+A Ping may ask for a dial-back (runtime.reachability): this peer Pings the caller back and says
+only whether the caller itself answered. It dials only `IP:PORT` with the caller's own IP address
+as seen on this connection (another host is answered "no" undialled, anything but HOST:PORT is an
+INVALID_ARGUMENT), so nobody can make a peer dial a third machine or probe ports elsewhere. Each
+probe gets a channel of its own, closed after it, and at most `DIAL_BACKS` run at once (beyond that
+a Ping is refused with RESOURCE_EXHAUSTED).
 """
 
 from __future__ import annotations
@@ -14,9 +21,40 @@ from typing import Callable
 import grpc
 
 from lowcomm.proto import wire_pb2, wire_pb2_grpc
+from lowcomm.transport.addresses import ip_of, join_host_port, split_endpoint
 from lowcomm.transport.wire import Channels, Traffic, context_deadline, deadline_after
 
 logger = logging.getLogger(__name__)
+DIAL_BACKS = 4  # dial-backs running at once; each holds a server thread up to DIAL_BACK_TIMEOUT_S
+DIAL_BACK_TIMEOUT_S = 5.0
+
+
+class DialBackRefused(ValueError):
+    """A dial-back target that is not HOST:PORT."""
+
+
+def caller_ip(context) -> str | None:
+    """The caller's IP address from gRPC's peer string (`ipv4:1.2.3.4:5`, `ipv6:[::1]:5`), an IPv4 address
+    mapped into IPv6 as IPv4; None for anything else (a unix socket)."""
+    kind, _, address = context.peer().partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return None
+    return _unmapped(ip_of(address.rsplit(":", 1)[0]))
+
+
+def dial_back_target(requested: str, context) -> str | None:
+    """The endpoint to Ping back: `requested` when its host is the caller's own IP address, None when it
+    is another host; DialBackRefused when it is not HOST:PORT at all."""
+    try:
+        host, port = split_endpoint(requested)
+    except ValueError:
+        raise DialBackRefused(f"dial-back target {requested[:80]!r} is not HOST:PORT") from None
+    caller = caller_ip(context)
+    return join_host_port(caller, port) if caller is not None and _unmapped(ip_of(host)) == caller else None
+
+
+def _unmapped(ip) -> str | None:
+    return None if ip is None else str(getattr(ip, "ipv4_mapped", None) or ip)
 
 
 class PeerService(wire_pb2_grpc.PeerServicer):
@@ -34,6 +72,7 @@ class PeerService(wire_pb2_grpc.PeerServicer):
         self.checkpointer: str | None = None  # the coordinator's peer id: its GetState calls are checkpoints
         self._errors = 0
         self._lock = threading.Lock()
+        self._dial_backs = threading.BoundedSemaphore(DIAL_BACKS)
         self.on_error: Callable[[str, str], None] | None = None
 
     @property
@@ -125,17 +164,43 @@ class PeerService(wire_pb2_grpc.PeerServicer):
         self.traffic.count_received(request, deadline)
         reply = wire_pb2.PingReply(peer_id=self.peer_id, round=self.round)
         if request.dial_back:
-            probe, timeout = wire_pb2.PingRequest(sender=self.peer_id), 5.0
-            probe_deadline = deadline_after(timeout)
-            try:
-                self.traffic.count_sent(probe, probe_deadline)
-                answer = self.channels.stub(request.dial_back).Ping(probe, timeout=timeout)
-                self.traffic.count_received(answer, probe_deadline)
-                # the asker itself must answer, not whatever else listens at that address
-                reply.dial_back_ok = answer.peer_id == request.sender if request.sender else bool(answer.peer_id)
-                if not reply.dial_back_ok:
-                    reply.error = f"{request.dial_back} answered as {answer.peer_id or 'nobody'}, not {request.sender}"
-            except grpc.RpcError as e:
-                reply.error = f"dial back to {request.dial_back} failed: {e.code().name}"
+            self._dial_back(request, reply, context)
         self.traffic.count_sent(reply, deadline)
         return reply
+
+    def _dial_back(self, request, reply, context) -> None:
+        """Fills `reply` with whether the caller answers at the endpoint it names; aborts the call for a
+        target that is not HOST:PORT, or when DIAL_BACKS probes run already."""
+        try:
+            target = dial_back_target(request.dial_back, context)
+        except DialBackRefused as e:
+            self._failed("Ping", e, context)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if target is None:  # answered, never dialled: another machine's address is not the caller's to name
+            reply.error = (f"refused to dial {request.dial_back[:80]}: this Ping came from {caller_ip(context)}; "
+                           "announce the address others reach this peer at (--announce-addr)")
+            return
+        if not self._dial_backs.acquire(blocking=False):
+            self._failed("Ping", RuntimeError("too many dial-backs at once"), context)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"this peer runs {DIAL_BACKS} dial-backs already; retry later or ask another helper")
+        try:
+            reply.dial_back_ok = self._probe(target, request.sender)
+        finally:
+            self._dial_backs.release()
+        if not reply.dial_back_ok:
+            reply.error = f"no answer from {request.sender[:80] or 'the sender'} at {target}"
+
+    def _probe(self, target: str, sender: str) -> bool:
+        """Whether `sender` itself (any peer when empty) answers a Ping at `target`, on a channel used once."""
+        probe = wire_pb2.PingRequest(sender=self.peer_id)
+        probe_deadline = deadline_after(DIAL_BACK_TIMEOUT_S)
+        self.traffic.count_sent(probe, probe_deadline)
+        try:
+            with self.channels.once(target) as stub:
+                answer = stub.Ping(probe, timeout=DIAL_BACK_TIMEOUT_S)
+        except grpc.RpcError:
+            return False
+        self.traffic.count_received(answer, probe_deadline)
+        # the asker itself must answer, not whatever else listens at that address
+        return answer.peer_id == sender if sender else bool(answer.peer_id)

@@ -10,6 +10,7 @@ the link when the sender's own round has ended (its receivers' rounds last until
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from concurrent import futures
@@ -116,7 +117,8 @@ def start_server(servicer: wire_pb2_grpc.PeerServicer, host: str, port: int, chu
 
 
 class Channels:
-    """One cached channel and stub per endpoint."""
+    """One cached channel and stub per endpoint, for the endpoints this peer chose to dial; `once` for
+    an endpoint somebody else named (a dial-back), which is never cached."""
 
     def __init__(self, chunk_bytes: int):
         self._options = channel_options(chunk_bytes)
@@ -131,6 +133,15 @@ class Channels:
                 self._channels[endpoint] = channel
                 self._stubs[endpoint] = wire_pb2_grpc.PeerStub(channel)
             return self._stubs[endpoint]
+
+    @contextlib.contextmanager
+    def once(self, endpoint: str) -> Iterator[wire_pb2_grpc.PeerStub]:
+        """A stub on a channel of its own, closed on exit."""
+        channel = grpc.insecure_channel(endpoint, options=self._options)
+        try:
+            yield wire_pb2_grpc.PeerStub(channel)
+        finally:
+            channel.close()
 
     def close(self) -> None:
         with self._lock:

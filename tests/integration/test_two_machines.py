@@ -3,9 +3,10 @@ that reach it only at its bridge address. Everything listens on its default, 0.0
 runs the join command the coordinator printed (read from its output), plus the test's own flags
 (records, CPU, a start barrier). One peer refuses every inbound connection (NetnsLab.refuse_inbound:
 a NAT without forwarding), so the coordinator's dial-back fails and it must run in client mode; the
-other must not. Both train to the end in rounds together. Assertions are on the printed command and
-the records, never on durations; every wait has a deadline; the lab kills what runs inside it and
-goes away."""
+other must not. Both train to the end in rounds together, and every round's manifest (its owners,
+in each peer's round records) makes the serving peer the only shard owner. Assertions are on the
+printed command and the records, never on durations; every wait has a deadline; the lab kills what
+runs inside it and goes away."""
 
 from __future__ import annotations
 
@@ -134,12 +135,13 @@ def test_peers_on_other_machines_join_from_the_printed_command(lab, tmp_path):
         assert check["how"] == "dial-back" and check["helper"].startswith(f"{coordinator_node.address}:"), check
         assert len(check["dht"]) == 1 and check["dht"][0].startswith(f"/ip4/{address}/tcp/"), check
     assert checks[open_node.address]["client_mode"] is False
-    assert checks[nat_node.address]["client_mode"] is True and "failed" in checks[nat_node.address]["detail"]
+    assert checks[nat_node.address]["client_mode"] is True and "no answer" in checks[nat_node.address]["detail"]
+    assert [e["about"] for e in events(found, "warning")] == ["reachability"]  # the client-mode peer's
     starts = by_address(found, "start")
     assert starts[open_node.address]["client_mode"] is False and starts[nat_node.address]["client_mode"] is True
     open_id, nat_id = starts[open_node.address]["peer"], starts[nat_node.address]["peer"]
 
-    # both trained to the end, every round with both; nobody ever waited on the client-mode peer
+    # both trained to the end, every round with both; the manifests made the serving peer the only owner
     assert {e["peer"] for e in events(found, "exit")} == {open_id, nat_id}
     rounds = rounds_of(found)
     assert sorted(rounds) == list(range(ROUNDS))
@@ -148,4 +150,5 @@ def test_peers_on_other_machines_join_from_the_printed_command(lab, tmp_path):
         for r in landed:
             assert sorted(r["contributors"]) == sorted([open_id, nat_id]), r
             assert sorted(r["participants"]) == sorted([open_id, nat_id]), r
-    assert not [e for e in found if e["type"] == "event" and e.get("owner") == nat_id]  # it owns no shard
+            assert r["owners"] == [open_id], r  # the client-mode peer owns no shard
+    assert not [e for e in found if e["type"] == "event" and e.get("owner") == nat_id]  # nobody waited on it

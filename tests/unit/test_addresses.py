@@ -10,8 +10,8 @@ import pytest
 
 from lowcomm.cli import main
 from lowcomm.transport import addresses
-from lowcomm.transport.addresses import (announce_host, dht_maddrs, grpc_endpoint, is_wildcard, maddr,
-                                         primary_ipv4, split_announce)
+from lowcomm.transport.addresses import (announce_host, dht_maddrs, grpc_endpoint, is_host, is_wildcard,
+                                         join_host_port, maddr, primary_ipv4, split_announce, split_endpoint)
 from lowcomm.transport.identity import Identity
 
 MADDR = "/ip4/127.0.0.1/tcp/9/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
@@ -42,10 +42,34 @@ def test_announce_addresses_that_parse(text, parsed):
 
 
 @pytest.mark.parametrize("text", ["", "0.0.0.0", "0.0.0.0:31400", "host:0", "host:70000", "host:port", ":31400",
-                                  "[::1]x"])
+                                  "[::1]x", "http://host", "unix:/tmp/x", "my host:5", "host/path:5", "[not-ip]:5"])
 def test_announce_addresses_refused(text):
     with pytest.raises(ValueError, match="HOST or HOST:PORT"):
         split_announce(text)
+
+
+@pytest.mark.parametrize("host, ok", [
+    ("10.0.0.1", True), ("0.0.0.0", True), ("::", True), ("[::]", True), ("2001:db8::1", True), ("localhost", True),
+    ("peer.example.org", True), ("peer.example.org.", True), ("", False), ("http://host", False),
+    ("host:5", False), ("my host", False), ("host/path", False), ("-host", False), ("unix:/tmp/x", False)])
+def test_hosts(host, ok):
+    assert is_host(host) is ok
+
+
+def test_endpoints_are_host_and_port_exactly():
+    assert split_endpoint("10.0.0.1:5") == ("10.0.0.1", 5)
+    assert split_endpoint("[2001:db8::1]:5") == ("2001:db8::1", 5)
+    for text in ("10.0.0.1", "2001:db8::1:5", "unix:/tmp/x", "dns:///10.0.0.1:5", "ipv4:10.0.0.1:5", " 10.0.0.1:5"):
+        with pytest.raises(ValueError):
+            split_endpoint(text)
+
+
+def test_ipv6_hosts_keep_their_brackets_before_a_port(machine):
+    assert join_host_port("::1", 7) == "[::1]:7" and join_host_port("[::1]", 7) == "[::1]:7"
+    assert grpc_endpoint("0.0.0.0", 5, "[::1]:7") == "[::1]:7"
+    assert grpc_endpoint("0.0.0.0", 5, "2001:db8::1") == "[2001:db8::1]:5"
+    assert grpc_endpoint("::1", 5) == "[::1]:5"
+    assert split_endpoint(grpc_endpoint("0.0.0.0", 5, "[::1]:7")) == ("::1", 7)
 
 
 def test_the_primary_address_is_the_internet_routes_source(machine):
@@ -128,6 +152,19 @@ def test_an_announce_addr_nobody_can_dial_is_refused(capsys, run_key, tmp_path):
     run_dir = tmp_path / "coordinator"
     assert main(["coordinator", "start", "--run-dir", str(run_dir), "--announce-addr", "host:0"]) == 2
     assert one_line_error(capsys).startswith("lowcomm: --announce-addr 'host:0' is not HOST or HOST:PORT")
+    assert not run_dir.exists()
+
+
+def test_a_host_that_is_no_address_is_refused(capsys, run_key, tmp_path):
+    assert main(["peer", "join", "--coordinator", MADDR, "--run-key", run_key, "--host", "http://10.0.0.1"]) == 2
+    assert "host = 'http://10.0.0.1': must be an IP address or a hostname" in one_line_error(capsys)
+    assert main(["peer", "join", "--coordinator", MADDR, "--run-key", run_key, "--dht-host", "a b"]) == 2
+    assert "dht_host = 'a b': must be an IP address or a hostname" in one_line_error(capsys)
+    run_dir = tmp_path / "coordinator"
+    assert main(["coordinator", "start", "--run-dir", str(run_dir), "--host", "10.0.0.1:5"]) == 2
+    assert one_line_error(capsys).startswith("lowcomm: --host '10.0.0.1:5' is not an IP address or a hostname")
+    assert main(["coordinator", "start", "--run-dir", str(run_dir), "--announce-addr", "http://x"]) == 2
+    assert one_line_error(capsys).startswith("lowcomm: --announce-addr 'http://x' is not HOST or HOST:PORT")
     assert not run_dir.exists()
 
 

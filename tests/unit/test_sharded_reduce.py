@@ -138,6 +138,7 @@ def test_every_member_applies_the_same_weighted_mean(nodes, codec, mean_error):
     ids = [n.id for n in members]
     for result in results:
         assert result.contributors == ids and result.participants == ids and result.info["lost_shards"] == []
+        assert sorted(result.info["record"]["owners"]) == ids  # the manifest's owners go into the round record
         assert torch.equal(result.aggregate, results[0].aggregate)
     error = (results[0].aggregate - weighted_mean(payloads, weights)).abs().mean()
     assert error < mean_error, f"{codec}: mean error {error}"  # uint8 clips beyond 3σ: a mean, not a max
@@ -203,6 +204,7 @@ def test_a_late_peer_catches_up_on_the_bytes_the_members_applied(nodes):
     assert left_out.value.manifest.members == [n.id for n in members]
     caught = latecomer.catch_up(KEY, 2, NUMEL, left_out.value.manifest)
     assert caught.info["caught_up"] and caught.contributors == results[0].contributors
+    assert caught.info["record"]["owners"] == results[0].info["record"]["owners"]
     assert torch.equal(caught.aggregate, results[0].aggregate)
 
 
