@@ -14,6 +14,9 @@ steps in this process (one core each cell; --jobs cells run side by side as chil
 - ``ref-ddp-with-tests``, ``ref-diloco-with-tests``: the reference on another corpus, every ``*.py``
   under the stdlib with its ``test``/``tests`` folders (lowcomm's corpus leaves them out; both skip
   site-packages): 31.5 M tokens instead of 12.6 M, the last 2% held out.
+- ``ref-ddp-interleaved``, ``ref-diloco-interleaved``: replica r owns every 4th block of 4096 tokens
+  (blocks r, r + 4, ...) instead of the r-th contiguous quarter: the same disjoint shards, each a
+  sample of the whole corpus rather than of a quarter of its sorted paths.
 - ``lowcomm-diloco-fp32``, ``lowcomm-diloco``, ``lowcomm-ddp``: the production path in process
   (lowcomm.runtime.in_process: the trainers, the registry's replicas, the sharded reduce's combiner
   calls) with the fp32 codec, the default one (uint8), and ddp.
@@ -42,12 +45,12 @@ for path in (REPO, REPO / "tests"):  # tests/plain_diloco.py: the plain referenc
         sys.path.insert(0, str(path))
 
 VARIANTS = ("ref-ddp", "ref-diloco", "lowcomm-diloco-fp32", "lowcomm-diloco", "lowcomm-ddp",
-            "ref-ddp-with-tests", "ref-diloco-with-tests",
+            "ref-ddp-with-tests", "ref-diloco-with-tests", "ref-ddp-interleaved", "ref-diloco-interleaved",
             "ref-diloco-torch-sampler", "ref-ddp-torch-sampler", "ref-diloco-reset-inner")
 DDP_OF = {"ref-diloco": "ref-ddp", "lowcomm-diloco-fp32": "ref-ddp", "lowcomm-diloco": "ref-ddp",
           "ref-diloco-torch-sampler": "ref-ddp-torch-sampler", "ref-diloco-reset-inner": "ref-ddp",
           "grid diloco (processes)": "grid ddp (processes)", "lowcomm-ddp": "ref-ddp",
-          "ref-diloco-with-tests": "ref-ddp-with-tests"}
+          "ref-diloco-with-tests": "ref-ddp-with-tests", "ref-diloco-interleaved": "ref-ddp-interleaved"}
 GRID = REPO / "experiments" / "out" / "algorithms"
 
 
@@ -75,7 +78,8 @@ def run_cell(variant: str, seed: int, steps: int) -> dict:
     out: dict = {"variant": variant, "seed": seed, "steps": steps}
     if variant.startswith("ref-"):
         setup = plain.Setup(steps=steps, seed=seed, sampler="torch" if "torch-sampler" in variant else "numpy",
-                            reset_inner="reset-inner" in variant)
+                            reset_inner="reset-inner" in variant,
+                            sharding="interleaved" if "interleaved" in variant else "contiguous")
         make = lambda: GPT(config.model)  # noqa: E731
         if variant.startswith("ref-ddp"):
             out.update(scores(plain.ddp(make, corpus.train, setup)))

@@ -7,7 +7,9 @@ No lowcomm code runs here but the model class and the corpus's token array. The 
   ``lr * (step + 1) / warmup``, then constant;
 - replica r owns the r-th contiguous R-th of the training tokens and draws each batch of B windows
   of T + 1 tokens at uniform random offsets inside it, from ``numpy.random.default_rng([seed, r])``
-  (``sampler="torch"``: from a torch generator seeded ``1000 * seed + r`` instead);
+  (``sampler="torch"``: from a torch generator seeded ``1000 * seed + r`` instead;
+  ``sharding="interleaved"``: replica r owns every R-th block of ``block`` tokens instead, blocks
+  r, r + R, ..., and draws each window inside one of its blocks);
 - DiLoCo: every H steps Δ_r = φ − θ_r, Δ̄ their fp32 mean, outer SGD (lr, momentum, Nesterov) on φ
   kept in fp32, every replica then copies φ; the AdamW states carry over between rounds
   (``reset_inner=True``: each round starts a fresh AdamW);
@@ -38,14 +40,20 @@ class Setup:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     sampler: str = "numpy"  # "numpy" | "torch"
+    sharding: str = "contiguous"  # "contiguous" | "interleaved"
+    block: int = 4096  # tokens per block of the interleaved sharding
     reset_inner: bool = False
 
 
 class Shard:
     def __init__(self, tokens: np.ndarray, r: int, setup: Setup):
         n = len(tokens)
-        self.tokens = tokens[r * n // setup.replicas:(r + 1) * n // setup.replicas]
         self.setup = setup
+        if setup.sharding == "interleaved":
+            self.tokens = tokens
+            self.blocks = np.arange(r, n // setup.block, setup.replicas)
+        else:
+            self.tokens = tokens[r * n // setup.replicas:(r + 1) * n // setup.replicas]
         self.high = len(self.tokens) - setup.context
         if setup.sampler == "numpy":
             self.rng = np.random.default_rng([setup.seed, r])
@@ -54,7 +62,10 @@ class Shard:
 
     def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.setup
-        if s.sampler == "numpy":
+        if s.sharding == "interleaved":
+            blocks = self.blocks[self.rng.integers(0, len(self.blocks), size=s.batch)]
+            offsets = blocks * s.block + self.rng.integers(0, s.block - s.context, size=s.batch)
+        elif s.sampler == "numpy":
             offsets = self.rng.integers(0, self.high, size=s.batch)
         else:
             offsets = torch.randint(0, self.high, (s.batch,), generator=self.gen).numpy()
