@@ -12,6 +12,8 @@ Members are sorted and every member owns a shard, as in a manifest without clien
 The round's deadline runs from its first ``start``; a member that has not started by then is left
 out of every shard's contributors and the round completes for the others. Unlike the network,
 a shard whose owner never started is still reduced here (``ShardedReduce`` would lose it).
+``abort(reason)`` fails the open rounds and every later one at once (an in-process run whose peer
+failed: the others must not wait out the deadline, round after round).
 
 ``InProcessGroup`` is the older, simpler one (a round completes when every replica started it;
 the codec, if any, is applied to the mean only).
@@ -74,6 +76,7 @@ class LocalGroup:
         self.timeout_s = timeout_s
         self._membership = membership
         self._rounds: dict[tuple[GroupKey, int], _LocalRound] = {}
+        self._aborted: str | None = None
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=8 * len(self.ids) + 8, thread_name_prefix="local-reduce")
 
@@ -87,8 +90,19 @@ class LocalGroup:
             return sorted(self._membership(round_))
         return sorted(self._membership.get(round_, self.ids))
 
+    def abort(self, reason: str) -> None:
+        """Every member waiting on a round, and every round started later, fails at once with a CollectiveError."""
+        with self._lock:
+            self._aborted = reason
+            rounds = list(self._rounds.values())
+        for state in rounds:
+            for slot in state.slots:
+                slot.abort(reason)
+
     def _round(self, key: GroupKey, round_: int, numel: int) -> _LocalRound:
         with self._lock:
+            if self._aborted is not None:
+                raise CollectiveError(f"round {round_}: the group was aborted: {self._aborted}")
             state = self._rounds.get((key, round_))
             if state is None:
                 members = self.members_of(round_)

@@ -8,7 +8,8 @@ t's reduce in the background while round t+1's starts, and either may open its s
 t's parts wait for their slot even after round t+1's opened. The slot closes when every member has
 contributed or its deadline passes; the reduced shard is encoded once and the same bytes go to every
 caller, so every replica applies identical values. Every received shard (own or others') is kept for
-one round so holes can be filled.
+one round so holes can be filled. A slot aborted before it closes (`abort`: its group gave up, e.g. an
+in-process run whose peer failed) wakes its callers with a CollectiveError instead of a reply.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lowcomm.collectives.base import CollectiveError
 from lowcomm.compress import CodecError, get_codec
 
 logger = logging.getLogger(__name__)
@@ -42,6 +44,7 @@ class Slot:
     deadline: float  # time.monotonic()
     items: dict[str, tuple[object, float]] = field(default_factory=dict)
     blob: bytes | None = None
+    aborted: str | None = None  # why the slot will never close (abort); its callers get a CollectiveError
     cond: threading.Condition = field(default_factory=threading.Condition)
 
     @property
@@ -66,14 +69,23 @@ class Slot:
             if set(self.items) >= self.members:
                 self.cond.notify_all()
 
+    def abort(self, reason: str) -> None:
+        """Wakes every caller of `result` with a CollectiveError, unless the slot already closed."""
+        with self.cond:
+            if self.blob is None:
+                self.aborted = reason
+                self.cond.notify_all()
+
     def result(self) -> tuple[bytes, list[str]]:
         """Waits for every member or the deadline, then returns the owner's reply bytes."""
         with self.cond:
-            while self.blob is None and not set(self.items) >= self.members:
+            while self.blob is None and self.aborted is None and not set(self.items) >= self.members:
                 remaining = self.deadline - time.monotonic()
                 if remaining <= 0:
                     break
                 self.cond.wait(remaining)
+            if self.blob is None and self.aborted is not None:
+                raise CollectiveError(f"round {self.round} shard {self.shard} aborted: {self.aborted}")
             if self.blob is None:
                 self.blob = self.combiner.close(self.items, self.bounds)
                 self.items = {sender: (None, weight) for sender, (_, weight) in self.items.items()}  # free memory

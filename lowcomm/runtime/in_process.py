@@ -7,6 +7,9 @@ codec or sparse combiner). Every peer's loop runs in its own thread and is the t
 (runtime.peer.TrainingPeer._train): forward and backward, ``on_gradients``, the inner step,
 ``after_inner_step``, and ``finish`` at the end. Rounds always have every peer (no stragglers, no
 churn), so the run is the algorithm's math on the runtime's code, at the speed of the compute alone.
+The first error in any peer's thread (its step, ``on_step``, the batches) stops the run: the group's
+rounds fail at once (``LocalGroup.abort``), every loop leaves at its next step, and the error is
+raised in the caller's thread.
 
     result = run_in_process(config, peers=4)    # config: a RunConfig (lowcomm.config)
     result.final_loss, result.rounds, result.replicas[0].global_model()
@@ -22,6 +25,7 @@ and the unit tests to hold the two together; NoLoCo's pair exchange has no in-pr
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -36,6 +40,7 @@ from lowcomm.runtime.trainer import LocalTrainer, Trainer
 
 ROUND_TIMEOUT_S = 600.0  # every peer is in every round; only a broken loop reaches it
 JOIN_S = 24 * 3600.0  # a bound on the whole run's threads
+STOP_S = 30.0  # after a peer's error: how long the others get to leave their step before it is raised
 
 
 @dataclass
@@ -83,9 +88,15 @@ def run_in_process(config, peers: int, device: str = "cpu",
         replicas.append(algo.replica(ReplicaSpec(t.model, config, group.member(i), key, t.tokens_per_step,
                                                  t.optimizer, t.lr_schedule, lambda round_: None, hooks)))
 
+    stopped = threading.Event()
+
+    def stop(reason: str) -> None:
+        stopped.set()
+        group.abort(reason)
+
     def loop(i: int) -> None:
         trainer, replica = trainers[i], replicas[i]
-        while steps[i] < config.run.steps:
+        while steps[i] < config.run.steps and not stopped.is_set():
             trainer.forward_backward()
             replica.on_gradients(steps[i])
             if replica.steps_inner_optimizer:
@@ -94,29 +105,54 @@ def run_in_process(config, peers: int, device: str = "cpu",
             replica.after_inner_step(steps[i])
             if on_step is not None:
                 on_step(i, steps[i])
-        replica.finish()
+        if not stopped.is_set():
+            replica.finish()
 
-    _in_threads(loop, peers)
+    _in_threads(loop, peers, stop)
     with replicas[0].global_model():
         final = trainers[0].evaluate()
     return InProcessRun(final, rounds, replicas, trainers)
 
 
-def _in_threads(work: Callable[[int], None], count: int) -> None:
+def _in_threads(work: Callable[[int], None], count: int, stop: Callable[[str], None]) -> None:
+    """``work(i)`` in thread i; the first error calls ``stop(reason)`` (the others must leave) and is
+    raised here once every thread ended, or after STOP_S when one is still inside its step."""
     errors: list[BaseException] = []
+    lock = threading.Lock()
+    settled = threading.Event()  # every thread ended, or one failed
+    ended = [0]
+
+    def fail(who: str, error: BaseException) -> None:
+        with lock:
+            errors.append(error)
+            first = len(errors) == 1
+        if first:
+            stop(f"{who} failed: {type(error).__name__}: {error}")
+            settled.set()
 
     def run(i: int) -> None:
         try:
             work(i)
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-            errors.append(e)
+            fail(f"peer {i}", e)
+        finally:
+            with lock:
+                ended[0] += 1
+                if ended[0] == count:
+                    settled.set()
 
     threads = [threading.Thread(target=run, args=(i,), name=f"peer-{i}", daemon=True) for i in range(count)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(JOIN_S)
+    try:
+        settled.wait(JOIN_S)
+    except BaseException as e:  # Ctrl-C in the caller: the peers' threads stop too
+        fail("the caller", e)
+        raise
     if errors:
+        deadline = time.monotonic() + STOP_S
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
         raise errors[0]
     if any(t.is_alive() for t in threads):
         raise TimeoutError("an in-process peer never finished its loop")

@@ -121,6 +121,17 @@ def test_a_member_outside_the_round_gets_not_in_round_and_catches_up_on_the_same
     assert everyone["peer-2"].contributors == ["peer-0", "peer-1", "peer-2"]
 
 
+@pytest.mark.timeout(60)  # a guard only: without the abort the waiting member sits out its 600 s deadline
+def test_abort_fails_the_open_round_and_every_later_one():
+    group = LocalGroup(2, timeout_s=600)
+    waiting = group.member(0).start(KEY, 0, payload(0), 1.0)
+    group.abort("peer 1 failed: StepFailed")
+    with pytest.raises(CollectiveError, match="peer 1 failed: StepFailed"):
+        waiting.result(30)
+    with pytest.raises(CollectiveError, match="aborted"):
+        group.member(1).start(KEY, 1, payload(1), 1.0).result(30)
+
+
 def test_before_send_hook_sees_the_round_and_a_failing_member_is_left_out():
     group = LocalGroup(3, timeout_s=1.0)
     seen = []
