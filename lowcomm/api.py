@@ -20,14 +20,20 @@ file layered on the embedded default, or a dict of dotted overrides of the defau
 the [model] (the built-in GPT or `factory`), the [data] corpus (each peer its own shard), lowcomm's
 AdamW with the [inner] warm-up. A model is a `torch.nn.Module` whose forward takes token ids x
 [B, T] and returns logits [B, T, V] (or a tuple, logits first); the loss is their cross-entropy
-against y unless `loss_fn(model, x, y)` is given. Batches are (x, y) pairs of int64 tensors.
+against y unless `loss_fn(model, x, y)` is given. Batches are (x, y) pairs of int64 (torch.long)
+tensors. Both calls leave the caller's process as they found it: torch's thread count, the SIGINT
+and SIGTERM handlers (join) and torch's global RNG (the config's model is built on a forked RNG).
+If one replica of `train` fails, the others stop at once and its error is raised.
 """
 
 from __future__ import annotations
 
 import copy
 import itertools
+import signal
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +44,7 @@ from torch import nn
 from lowcomm.algorithms.inner import InnerOptimizer, TorchInner
 from lowcomm.algorithms.registry import REDUCE, NAMES, algorithm
 from lowcomm.config import ConfigError, RunConfig, default_config, load_config
+from lowcomm.data.corpus import Corpus, load_corpus
 from lowcomm.data.loader import Batch, LossFn
 from lowcomm.runtime.trainer import Trainer, config_data, config_model, config_tokens_per_step
 
@@ -87,15 +94,18 @@ def run_config(config: ConfigLike = None) -> RunConfig:
 
 def train(model: nn.Module | None = None, *, config: ConfigLike = None, peers: int = 2,
           optimizer: OptimizerLike = None, batches: Callable[[int, int], Iterable[Batch]] | None = None,
-          heldout: Sequence[Batch] | None = None, loss_fn: LossFn | None = None, device: str = "cpu",
+          heldout: Iterable[Batch] | None = None, loss_fn: LossFn | None = None, device: str = "cpu",
           on_step: Callable[[int, int], None] | None = None) -> Trained:
     """`peers` replicas of `model` trained `run.steps` inner steps each with `run.algo`, in this process.
 
     model: every replica starts from a copy of it (it is not changed); None: the config's [model].
     optimizer(params): each replica's inner optimizer, or (optimizer, scheduler); None: AdamW from [inner].
     batches(peer, peers): peer's iterator of (x, y); None: shard `peer` of the [data] corpus.
-    heldout: the (x, y) batches every evaluation scores; None: the [data] corpus's (only with batches=None).
-    on_step(peer, step): called after each inner step of each peer."""
+    heldout: the (x, y) batches every evaluation scores (a list, or any iterable: read once); None: the
+    [data] corpus's (only with batches=None).
+    on_step(peer, step): called after each inner step of each peer.
+    The first error in any replica's thread (its step, on_step, loss_fn, batches) stops every replica and
+    is raised here."""
     from lowcomm.runtime.in_process import run_in_process  # loaded on use: `import lowcomm` stays light
 
     config = run_config(config)
@@ -112,21 +122,25 @@ def train(model: nn.Module | None = None, *, config: ConfigLike = None, peers: i
     if batches is not None and not callable(batches):
         raise TypeError("batches must be a function batches(peer, peers) returning that peer's iterator of (x, y)")
     device = torch.device(device)
+    heldout = None if heldout is None else list(heldout)  # every replica scores the same batches
     initial: list[float] = []
+    corpus: list[Corpus] = []  # the [data] corpus, loaded (and checked) once for every replica
+
+    def data(current: RunConfig) -> Corpus:
+        if not corpus:
+            corpus.append(load_corpus(current.data, current.model.vocab_size, current.model.context))
+        return corpus[0]
 
     def trainer(i: int) -> Trainer:
         own = None if batches is None else batches(i, peers)
         made = user_trainer(config, i, peers, device, copy.deepcopy(model) if model is not None else None,
-                            optimizer, own, heldout, loss_fn)
+                            optimizer, own, heldout, loss_fn, data)
         if i == 0:
             initial.append(made.evaluate())
         return made
 
-    threads = torch.get_num_threads()  # the run sets one per replica thread, as a peer process has
-    try:
+    with _process_state_kept():  # the run sets one torch thread per replica thread, as a peer process has
         run = run_in_process(config, peers, str(device), on_step, trainer=trainer)
-    finally:
-        torch.set_num_threads(threads)
     with run.replicas[0].global_model():
         final_model = copy.deepcopy(run.trainers[0].model)
     return Trained(initial[0], run.final_loss, final_model, run.rounds, run)
@@ -135,7 +149,7 @@ def train(model: nn.Module | None = None, *, config: ConfigLike = None, peers: i
 def join(coordinator: str | Sequence[str], run_key: str, *, model: nn.Module | None = None,
          optimizer: OptimizerLike = None,
          batches: Iterable[Batch] | Callable[[int, int], Iterable[Batch]] | None = None,
-         heldout: Sequence[Batch] | None = None, loss_fn: LossFn | None = None, run_name: str = "lowcomm-default",
+         heldout: Iterable[Batch] | None = None, loss_fn: LossFn | None = None, run_name: str = "lowcomm-default",
          device: str = "auto", run_dir: str | Path | None = None, **options: Any) -> Joined:
     """Joins a real run as `lowcomm peer join` does, training `model` (None: the run config's) with your
     optimizer and batches, until the run's last step or SIGINT / SIGTERM.
@@ -144,7 +158,8 @@ def join(coordinator: str | Sequence[str], run_key: str, *, model: nn.Module | N
     join command prints them. batches: an iterator of (x, y), or batches(shard, num_shards) once the peer
     knows its data shard; None: its shard of the run's [data] corpus. run_dir: where the peer's records go
     (default runs/RUN_NAME). options: any other `peer join` option by its PeerOptions name (host, port,
-    announce_addr, client_mode, data_shard, num_shards, ...)."""
+    announce_addr, client_mode, data_shard, num_shards, ...). The peer's SIGINT / SIGTERM handlers and
+    its one torch thread last as long as the call: the caller's are back when it returns."""
     from lowcomm.runtime.options import peer_options  # the network stack (hivemind) loads on use only
     from lowcomm.runtime.peer import Peer
     from lowcomm.runtime.preflight import check_peer
@@ -154,13 +169,15 @@ def join(coordinator: str | Sequence[str], run_key: str, *, model: nn.Module | N
              "run_dir": Path(run_dir) if run_dir is not None else Path("runs") / run_name}
     peer_opts = peer_options({}, flags)
     check_peer(peer_opts)
+    heldout = None if heldout is None else list(heldout)  # read once: a generator has no second pass
 
     def trainer(config: RunConfig, shard: int, num_shards: int, on: torch.device) -> Trainer:
         own = batches(shard, num_shards) if callable(batches) else batches
         return user_trainer(config, shard, num_shards, on, model, optimizer, own, heldout, loss_fn)
 
-    peer = Peer(peer_opts, trainer=trainer)
-    code = peer.run()
+    with _process_state_kept():
+        peer = Peer(peer_opts, trainer=trainer)
+        code = peer.run()
     training = peer.peer
     if training is None:
         return Joined(code, None, 0, 0, None)
@@ -169,10 +186,26 @@ def join(coordinator: str | Sequence[str], run_key: str, *, model: nn.Module | N
     return Joined(code, training.evaluation.last_loss, training.progress.steps_done, training.replica.round, held)
 
 
+@contextmanager
+def _process_state_kept():
+    """torch's thread count and the SIGINT / SIGTERM handlers as they were, whatever the body set."""
+    threads = torch.get_num_threads()
+    signals = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
+    handlers = {signum: signal.getsignal(signum) for signum in signals}
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        for signum, handler in handlers.items():
+            if handler is not None:  # None: a handler not set from Python, which Python cannot put back
+                signal.signal(signum, handler)
+
+
 def user_trainer(config: RunConfig, shard: int, num_shards: int, device: torch.device, model: nn.Module | None,
-                 optimizer: OptimizerLike, batches: Iterable[Batch] | None, heldout: Sequence[Batch] | None,
-                 loss_fn: LossFn | None) -> Trainer:
-    """A trainer of the parts given, the run config's where one is None (see `train`)."""
+                 optimizer: OptimizerLike, batches: Iterable[Batch] | None, heldout: Iterable[Batch] | None,
+                 loss_fn: LossFn | None, corpus: Callable[[RunConfig], Corpus] | None = None) -> Trainer:
+    """A trainer of the parts given, the run config's where one is None (see `train`); `corpus(config)`:
+    the [data] corpus when the caller holds it already (default: loaded here)."""
     if batches is None and heldout is not None or batches is not None and heldout is None:
         raise ValueError("pass batches and heldout together (your data), or neither (the run's [data] corpus)")
     if model is None:
@@ -183,11 +216,12 @@ def user_trainer(config: RunConfig, shard: int, num_shards: int, device: torch.d
         model = model.to(device)
     inner = _inner(model, optimizer, config)
     if batches is None:
-        shard_batches, heldout = config_data(config, shard, num_shards)
+        shard_batches, heldout = config_data(config, shard, num_shards, corpus(config) if corpus else None)
         return Trainer(model, inner, shard_batches, heldout, config_tokens_per_step(config), device, loss_fn)
-    first, stream = _first_batch(iter(batches), "batches")
-    _first_batch(iter(heldout), "heldout")
-    return Trainer(model, inner, stream, list(heldout), first[0].numel(), device, loss_fn)
+    first, stream = _first_batch(iter(batches), "batches", int64=loss_fn is None)
+    heldout = list(heldout)  # read once: a generator has no second pass
+    _first_batch(iter(heldout), "heldout", int64=loss_fn is None)
+    return Trainer(model, inner, stream, heldout, first[0].numel(), device, loss_fn)
 
 
 def _inner(model: nn.Module, optimizer: OptimizerLike, config: RunConfig):
@@ -205,8 +239,9 @@ def _inner(model: nn.Module, optimizer: OptimizerLike, config: RunConfig):
     return TorchInner(made, config.inner.grad_clip, scheduler)
 
 
-def _first_batch(batches: Iterator[Batch], name: str) -> tuple[Batch, Iterator[Batch]]:
-    """The first batch (checked to be a pair of integer tensors of one shape) and the stream from it on."""
+def _first_batch(batches: Iterator[Batch], name: str, int64: bool = True) -> tuple[Batch, Iterator[Batch]]:
+    """The first batch (checked to be a pair of integer tensors of one shape, int64 when `int64`: the default
+    loss's targets) and the stream from it on."""
     try:
         first = next(batches)
     except StopIteration:
@@ -217,4 +252,7 @@ def _first_batch(batches: Iterator[Batch], name: str) -> tuple[Batch, Iterator[B
     if not ok:
         raise TypeError(f"{name} must yield (x, y) pairs of int64 tensors of one non-empty shape [B, T] (y: the "
                         "next token of each x); the first item was not one")
+    if int64 and any(t.dtype != torch.long for t in first):
+        raise TypeError(f"{name} must yield (x, y) pairs of int64 tensors (torch.long); the first held "
+                        f"{first[0].dtype} and {first[1].dtype}: convert them with x.long(), y.long()")
     return first, itertools.chain([first], batches)

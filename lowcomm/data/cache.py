@@ -3,7 +3,8 @@
 A cache folder holds `tokens.bin` (raw little-endian uint16 tokens, memmapped on load) and a small
 `meta.json` written after it. Peers on one machine may build a cache at the same moment: each file
 is written to a temporary name and moved into place with `os.replace`, `meta.json` last, so a
-reader sees either no cache or a complete one; racing builders write identical bytes.
+reader sees either no cache or a complete one; racing builders write identical bytes. The largest
+token id of a token file is remembered here too (data.token_file), under `token-ids/`.
 """
 
 from __future__ import annotations
@@ -56,10 +57,10 @@ def write_cache(directory: Path, pieces: Iterable[np.ndarray], meta: dict) -> di
             f.write(data)
             n_tokens += len(piece)
 
-    _write_atomic(directory / TOKENS_FILE, write)
+    write_atomic(directory / TOKENS_FILE, write)
     meta = {**meta, "sha256": digest.hexdigest(), "n_tokens": n_tokens, "dtype": "uint16-le"}
     # meta.json last: its presence says tokens.bin is complete.
-    _write_atomic(directory / META_FILE, lambda f: f.write(json.dumps(meta, indent=1).encode()))
+    write_atomic(directory / META_FILE, lambda f: f.write(json.dumps(meta, indent=1).encode()))
     return meta
 
 
@@ -67,7 +68,8 @@ def open_tokens(directory: Path) -> np.ndarray:
     return np.memmap(directory / TOKENS_FILE, dtype=TOKEN_DTYPE, mode="r")
 
 
-def _write_atomic(path: Path, write) -> None:
+def write_atomic(path: Path, write) -> None:
+    """`write(f)` to a temporary file beside `path`, moved into place once complete (readers never see half)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:

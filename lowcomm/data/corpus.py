@@ -14,7 +14,8 @@ The held-out split is fixed, so every run and every algorithm is evaluated on th
 `holdout_fraction` of the stream, or nanoGPT's `val.bin` when `data.path` is a folder holding
 `train.bin` and `val.bin`. Each peer then reads its own shard of the train split (data.loader).
 `load_corpus(config, vocab_size, context)` also checks that the stream fits the model: every token
-id below `vocab_size` and room for a window of `context` + 1 tokens in both splits.
+id below `vocab_size` (the files' largest id, scanned once per file and remembered: data.token_file)
+and room for a window of `context` + 1 tokens in both splits.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-from lowcomm.data.cache import TOKEN_DTYPE, cache_root, open_tokens, read_meta, write_cache
+from lowcomm.data.cache import TOKEN_DTYPE, TOKENS_FILE, cache_root, open_tokens, read_meta, write_cache
 from lowcomm.data.text_folder import TextFolderError, load_text_folder
-from lowcomm.data.token_file import DTYPES, TokenFileError, largest_token, token_file_splits
+from lowcomm.data.token_file import DTYPES, TokenFileError, largest_token, largest_token_in_file, token_file_splits
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class Corpus:
     sha256: str | None     # of the cached token stream as little-endian uint16 (None for a token file: not read whole)
     n_tokens: int          # train + heldout
     python_version: str = ""  # stdlib: whose standard library the text is
+    files: tuple[Path, ...] = ()  # the token files train and heldout cover together, whole (the id check's)
 
 
 def cache_dir(python_version: str | None = None) -> Path:
@@ -114,7 +116,8 @@ def _stdlib(config: DataConfig) -> Corpus:
     if meta is None:
         meta = build_cache(directory)
     train, heldout = _split(open_tokens(directory), config.holdout_fraction)
-    return Corpus(train, heldout, meta["sha256"], len(train) + len(heldout), meta["python_version"])
+    return Corpus(train, heldout, meta["sha256"], len(train) + len(heldout), meta["python_version"],
+                  (directory / TOKENS_FILE,))
 
 
 def build_cache(directory: Path) -> dict:
@@ -127,15 +130,16 @@ def build_cache(directory: Path) -> dict:
 
 def _token_file(config: DataConfig) -> Corpus:
     train, heldout = token_file_splits(config.path, config.dtype)
+    files = (Path(train.filename),) if heldout is None else (Path(train.filename), Path(heldout.filename))
     if heldout is None:
         train, heldout = _split(train, config.holdout_fraction)
-    return Corpus(train, heldout, None, len(train) + len(heldout))
+    return Corpus(train, heldout, None, len(train) + len(heldout), files=files)
 
 
 def _text_folder(config: DataConfig) -> Corpus:
     tokens, meta = load_text_folder(config.path)
     train, heldout = _split(tokens, config.holdout_fraction)
-    return Corpus(train, heldout, meta["sha256"], len(tokens))
+    return Corpus(train, heldout, meta["sha256"], len(tokens), files=(Path(tokens.filename),))
 
 
 def _check_fits(corpus: Corpus, config: DataConfig, vocab_size: int | None, context: int | None) -> None:
@@ -151,7 +155,10 @@ def _check_fits(corpus: Corpus, config: DataConfig, vocab_size: int | None, cont
         return
     if np.iinfo(corpus.train.dtype).max < vocab_size:  # no id of this dtype can be out of range: no scan
         return
-    largest = max(largest_token(corpus.train), largest_token(corpus.heldout))
+    if corpus.files:
+        largest = max(largest_token_in_file(path, corpus.train.dtype) for path in corpus.files)
+    else:
+        largest = max(largest_token(corpus.train), largest_token(corpus.heldout))
     if largest >= vocab_size:
         raise CorpusError(f"{where} holds token id {largest}, beyond model.vocab_size = {vocab_size}; set "
                           f"model.vocab_size >= {largest + 1} (or check data.dtype)")

@@ -5,7 +5,8 @@ Every file under `data.path`, recursively, is read as raw bytes in order of its 
 as the stdlib corpus is. The tokens are cached (data.cache) in a folder named by a fingerprint of
 the listing: the folder's absolute path and each file's relative path, size and modification time.
 Editing, adding or removing a file therefore builds a fresh cache on the next load; the cache is
-built once per machine and memmapped by every peer on it.
+built once per machine and memmapped by every peer on it. Files are read and written out
+READ_BYTES at a time, so a build holds a few chunks in memory, whatever the size of a file.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from lowcomm.data.cache import TOKEN_DTYPE, cache_root, open_tokens, read_meta, 
 
 log = logging.getLogger(__name__)
 SEPARATOR = np.frombuffer(b"\n", dtype=np.uint8).astype(TOKEN_DTYPE)
+READ_BYTES = 64 << 20  # one chunk of a file: 64 MiB read, 128 MiB of uint16 tokens
 
 
 class TextFolderError(ValueError):
@@ -60,7 +62,10 @@ def load_text_folder(path: str) -> tuple[np.ndarray, dict]:
 
 
 def _pieces(files: list[Path]) -> Iterator[np.ndarray]:
+    """The files' tokens in order, READ_BYTES of a file at a time, SEPARATOR between two files."""
     for i, path in enumerate(files):
         if i:
             yield SEPARATOR
-        yield np.frombuffer(path.read_bytes(), dtype=np.uint8).astype(TOKEN_DTYPE)
+        with path.open("rb") as f:
+            while chunk := f.read(READ_BYTES):
+                yield np.frombuffer(chunk, dtype=np.uint8).astype(TOKEN_DTYPE)

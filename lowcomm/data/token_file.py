@@ -2,18 +2,29 @@
 
 `data.path` names either one `.bin` file (its last `holdout_fraction` of tokens is held out) or a
 folder holding nanoGPT's `train.bin` and `val.bin` (`val.bin` is the held-out split). Nothing is
-copied or cached: every peer memmaps the file and reads only the windows it samples.
+copied: every peer memmaps the file and reads only the windows it samples. The one whole read is
+the check that every id fits the model (`largest_token_in_file`); its answer is remembered in the
+cache folder (data.cache) by the file's path, size and modification time, so a file is scanned
+once per machine, not on every load.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 from pathlib import Path
 
 import numpy as np
 
+from lowcomm.data.cache import cache_root, write_atomic
+
+log = logging.getLogger(__name__)
+
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 SPLIT_FILES = ("train.bin", "val.bin")  # nanoGPT's prepare.py writes these
 SCAN_TOKENS = 1 << 24  # the largest-id check reads this many tokens at a time
+LARGEST_DIR = "token-ids"  # under the cache root: one small JSON per scanned file
 
 
 class TokenFileError(ValueError):
@@ -57,3 +68,25 @@ def open_token_file(path: Path, dtype: str) -> np.ndarray:
 def largest_token(tokens: np.ndarray) -> int:
     """The largest token id in `tokens`, read SCAN_TOKENS at a time (a memmap is never loaded whole)."""
     return max(int(tokens[i:i + SCAN_TOKENS].max()) for i in range(0, len(tokens), SCAN_TOKENS))
+
+
+def largest_token_in_file(path: Path, dtype: np.dtype) -> int:
+    """The largest token id of the raw token file `path`, scanned once and remembered (cache_root()/token-ids)
+    under the file's resolved path, size, modification time (ns) and dtype: a changed file is scanned again."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    key = [str(path), stat.st_size, stat.st_mtime_ns, np.dtype(dtype).str]
+    note = cache_root() / LARGEST_DIR / f"{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:24]}.json"
+    try:
+        saved = json.loads(note.read_text())
+        if saved["key"] == key:
+            return int(saved["largest"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # not scanned yet (or an unreadable note): scan
+    largest = largest_token(np.memmap(path, dtype=dtype, mode="r"))
+    try:
+        note.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(note, lambda f: f.write(json.dumps({"key": key, "largest": largest}).encode()))
+    except OSError as e:  # a read-only cache only costs the next load another scan
+        log.info("cannot remember the largest token id of %s in %s: %s", path, note.parent, e)
+    return largest

@@ -3,7 +3,8 @@
 `[model] factory = "package.module:callable"` names a callable that receives the [model] section
 (`ModelConfig`) and returns a `torch.nn.Module`. The module is imported by name, so its package must
 be importable on every peer (installed, or its folder on PYTHONPATH). torch's RNG is seeded with the
-run's seed right before the model is built, so every peer starts from the same weights. The model's
+run's seed right before the model is built, so every peer starts from the same weights; the build runs
+on a fork of the RNG (`torch.random.fork_rng`), so the caller's RNG state is the same afterwards. The model's
 forward takes token ids x [B, T] (int64) and returns the logits [B, T, vocab], or a tuple with the
 logits first (data.loader.next_token_loss).
 """
@@ -59,10 +60,18 @@ def load_factory(spec: str) -> Callable[[ModelConfig], nn.Module]:
 
 
 def build_model(config: ModelConfig, seed: int | None = None) -> nn.Module:
-    """The run's model, built right after torch.manual_seed(seed) (when given): the GPT or the factory's."""
+    """The run's model, the GPT or the factory's; with `seed`, built right after torch.manual_seed(seed) on
+    a fork of torch's RNG (CPU, and the CUDA devices already in use), which is put back afterwards."""
     factory = load_factory(config.factory) if config.factory else GPT
-    if seed is not None:
+    if seed is None:
+        return _build(factory, config)
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
+        return _build(factory, config)
+
+
+def _build(factory: Callable[[ModelConfig], nn.Module], config: ModelConfig) -> nn.Module:
     if factory is GPT:
         return GPT(config)
     try:

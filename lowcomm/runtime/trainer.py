@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from lowcomm.algorithms.inner import InnerOptimizer, NonFiniteGradient
-from lowcomm.data.corpus import load_corpus
+from lowcomm.data.corpus import Corpus, load_corpus
 from lowcomm.data.loader import Batch, LossFn, TokenShard, evaluate, heldout_batches, logits_of, next_token_loss
 from lowcomm.models.factory import build_model
 
@@ -116,15 +116,18 @@ class LocalTrainer(Trainer):
 
 
 def config_model(config, device: torch.device) -> nn.Module:
-    """The [model] section's model on `device`, built after torch.manual_seed(run.seed): every peer starts
-    from the same φ_0."""
+    """The [model] section's model on `device`, built after torch.manual_seed(run.seed) (on a fork of torch's
+    RNG: the caller's is left alone): every peer starts from the same φ_0."""
     return build_model(config.model, seed=config.run.seed).to(device)
 
 
-def config_data(config, shard_index: int, num_shards: int) -> tuple[TokenShard, list[Batch]]:
-    """Shard `shard_index` of `num_shards` of the [data] corpus's train split, and its held-out batches."""
+def config_data(config, shard_index: int, num_shards: int,
+                corpus: Corpus | None = None) -> tuple[TokenShard, list[Batch]]:
+    """Shard `shard_index` of `num_shards` of the [data] corpus's train split, and its held-out batches;
+    `corpus`: that corpus already loaded (by load_corpus with the [model]'s vocab_size and context)."""
     model = config.model
-    corpus = load_corpus(config.data, model.vocab_size, model.context)
+    if corpus is None:
+        corpus = load_corpus(config.data, model.vocab_size, model.context)
     shard = TokenShard(corpus.train, shard_index, num_shards, model.context, config.inner.batch_size, config.run.seed)
     heldout = heldout_batches(corpus.heldout, model.context, config.inner.batch_size, config.data.eval_batches)
     return shard, heldout

@@ -4,6 +4,9 @@ loss falls below the initial one. And the API's own errors, one line each."""
 
 from __future__ import annotations
 
+import signal
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -162,3 +165,94 @@ def test_a_run_config_object_or_a_toml_path_chooses_the_algorithm(data, tmp_path
                                         "data.path": str(data / "tokens16.bin")})
     assert len(lowcomm.train(PairLM(), config=config, peers=2).rounds) == 1
     assert len(lowcomm.train(PairLM(), config=path, peers=2).rounds) == 3
+
+
+class StepFailed(RuntimeError):
+    pass
+
+
+@pytest.mark.timeout(60)  # a guard only: without the abort, the other replica waits out each round (600 s)
+def test_a_failing_replica_stops_the_run_and_its_error_is_raised(data):
+    def on_step(peer, step):
+        if peer == 1 and step == 1:
+            raise StepFailed("peer 1 broke at step 1")
+
+    with pytest.raises(StepFailed, match="peer 1 broke at step 1"):
+        lowcomm.train(PairLM(), config=run_config("diloco", "tokens", data / "tokens16.bin"), peers=2,
+                      on_step=on_step)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("peer-")]  # every loop has left
+
+
+def test_join_puts_back_the_callers_signal_handlers_and_torch_threads(monkeypatch):
+    import lowcomm.runtime.peer
+    import lowcomm.runtime.preflight
+
+    class PeerThatSetsProcessState:  # what the peer's context does: its own handlers, one torch thread
+        def __init__(self, options, trainer):
+            self.peer = None
+
+        def run(self) -> int:
+            signal.signal(signal.SIGINT, lambda *_: None)
+            signal.signal(signal.SIGTERM, lambda *_: None)
+            torch.set_num_threads(1)
+            return 0
+
+    monkeypatch.setattr(lowcomm.runtime.peer, "Peer", PeerThatSetsProcessState)
+    monkeypatch.setattr(lowcomm.runtime.preflight, "check_peer", lambda options: None)
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        joined = lowcomm.join("/ip4/127.0.0.1/tcp/31337/p2p/QmPeer", run_key="00", model=PairLM())
+        assert joined.exit_code == 0
+        assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_train_leaves_the_callers_rng_alone_when_it_builds_the_model(data):
+    config = {**run_config("diloco", "tokens", data / "tokens16.bin"), "run.steps": 2, "model.d_model": 32,
+              "model.n_layers": 1, "model.n_heads": 2}
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    lowcomm.train(config=config, peers=2)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_a_generator_of_heldout_batches_is_read_once_for_every_replica():
+    tokens = torch.from_numpy(markov_tokens(4_000, seed=7))
+
+    def windows(offset):
+        rows = torch.stack([tokens[o:o + CONTEXT + 1] for o in range(offset, offset + 4 * 40, 40)])
+        return rows[:, :-1], rows[:, 1:]
+
+    def batches(peer, peers):
+        while True:
+            yield windows(1000 * peer)
+
+    heldout = (windows(2_500 + 200 * i) for i in range(3))
+    result = lowcomm.train(PairLM(vocab=VOCAB), config={"run.algo": "diloco", "run.steps": 2,
+                                                       "diloco.inner_steps": 2}, peers=2,
+                           batches=batches, heldout=heldout)
+    assert [len(t.eval_batches) for t in result.run.trainers] == [3, 3]
+    assert torch.equal(result.run.trainers[1].eval_batches[0][0], windows(2_500)[0])
+
+
+def test_int32_batches_are_refused_with_what_to_do():
+    batch = torch.zeros(2, CONTEXT, dtype=torch.int32), torch.zeros(2, CONTEXT, dtype=torch.int32)
+    with pytest.raises(TypeError) as raised:
+        lowcomm.train(PairLM(), config={"run.steps": 2}, peers=2, batches=lambda peer, peers: iter([batch]),
+                      heldout=[batch])
+    assert "torch.int32" in str(raised.value) and "x.long()" in str(raised.value)
+    assert "\n" not in str(raised.value)
+
+
+def test_train_loads_the_corpus_once_for_every_replica(data, monkeypatch):
+    import lowcomm.data.corpus
+    loads = []
+    load = lowcomm.data.corpus.token_file_splits
+    monkeypatch.setattr(lowcomm.data.corpus, "token_file_splits", lambda *args: loads.append(args) or load(*args))
+    lowcomm.train(PairLM(), config={**run_config("diloco", "tokens", data / "tokens16.bin"), "run.steps": 2},
+                  peers=3)
+    assert len(loads) == 1

@@ -117,3 +117,39 @@ def test_the_run_config_checks_the_data_section_and_hashes_it(tmp_path):
               tokens.override({"data.dtype": "uint32"}).config_hash(),
               base.override({"model.factory": "pkg.mod:build"}).config_hash()}
     assert len(hashes) == 5
+
+
+def test_a_token_files_largest_id_is_scanned_once_and_again_when_the_file_changes(tmp_path, monkeypatch):
+    import lowcomm.data.token_file as token_file
+    scans = []
+    scan = token_file.largest_token
+    monkeypatch.setattr(token_file, "largest_token", lambda tokens: scans.append(len(tokens)) or scan(tokens))
+    path = write_tokens(tmp_path / "ids.bin", np.arange(5000) % 300, "<u2")
+    config = DataConfig(corpus="tokens", path=path)
+    load_corpus(config, vocab_size=300, context=16)
+    load_corpus(config, vocab_size=300, context=16)
+    assert scans == [5000]  # the second load reads the remembered id
+    with pytest.raises(CorpusError, match="token id 299"):  # remembered, the check still refuses
+        load_corpus(config, vocab_size=299, context=16)
+    write_tokens(tmp_path / "ids.bin", np.arange(6000) % 200, "<u2")  # another size: scanned again
+    load_corpus(config, vocab_size=200, context=16)
+    assert scans == [5000, 6000]
+
+
+def test_a_text_file_is_read_in_chunks_never_whole(tmp_path, monkeypatch):
+    import pathlib
+
+    import lowcomm.data.text_folder as text_folder
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "a.txt").write_bytes(bytes(range(32, 127)) * 3)
+    (folder / "b.txt").write_bytes(b"tail")
+    monkeypatch.setattr(text_folder, "READ_BYTES", 7, raising=False)
+
+    def whole(self):
+        raise AssertionError(f"{self} read whole")
+
+    monkeypatch.setattr(pathlib.Path, "read_bytes", whole)
+    corpus = load_corpus(DataConfig(corpus="text", path=str(folder)), vocab_size=256, context=2)
+    stream = np.concatenate([corpus.train, corpus.heldout])
+    assert bytes(stream.astype(np.uint8)) == bytes(range(32, 127)) * 3 + b"\ntail"

@@ -124,3 +124,18 @@ def test_an_exported_factory_model_loads_back_through_the_factory(user_models, t
     assert type(loaded).__name__ == "BagLM"
     for p, phi in zip(loaded.parameters(), replica.phi):
         assert torch.equal(p.detach(), phi.detach())
+
+
+
+@pytest.mark.parametrize("factory", ["", "build"])
+def test_a_seeded_build_is_the_seeds_model_and_leaves_the_callers_rng_alone(user_models, factory):
+    import importlib
+    config = ModelConfig(factory=f"{user_models}:{factory}" if factory else "", d_model=16, n_layers=1, n_heads=2)
+    build = importlib.import_module(user_models).build if factory else GPT
+    torch.manual_seed(7)
+    reference = build(config)  # the seed's model: built right after torch.manual_seed
+    torch.manual_seed(99)
+    state = torch.get_rng_state()
+    model = build_model(config, seed=7)
+    assert torch.equal(torch.get_rng_state(), state)  # the caller's RNG goes on where it was
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
