@@ -1,7 +1,7 @@
 """Where DiLoCo's gap to ddp comes from: lowcomm's production path against a plain reference, factor by factor.
 
     python experiments/diloco_gap.py [--steps 2000] [--seeds 0 1 2] [--cells ...] [--jobs 2]
-        [--out experiments/out/diloco_gap]
+        [--out experiments/out/diloco_gap] [--table-only]
 
 A cell is (variant, seed): 4 replicas of the default model and config trained for --steps inner
 steps in this process (one core each cell; --jobs cells run side by side as child processes).
@@ -185,6 +185,7 @@ def main() -> int:
     ap.add_argument("--cells", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", type=Path, default=REPO / "experiments" / "out" / "diloco_gap")
+    ap.add_argument("--table-only", action="store_true", help="rewrite OUT/table.md from the cells done")
     ap.add_argument("--cell", nargs=2, metavar=("VARIANT", "SEED"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -192,6 +193,9 @@ def main() -> int:
         variant, seed = args.cell[0], int(args.cell[1])
         result = run_cell(variant, seed, args.steps)
         (args.out / f"{variant}-{args.steps}-s{seed}.json").write_text(json.dumps(result, indent=1))
+        return 0
+    if args.table_only:
+        print(write_table(args.out, args.steps))
         return 0
     todo = [(v, s) for s in args.seeds for v in args.cells
             if not (args.out / f"{v}-{args.steps}-s{s}.json").exists()]
