@@ -19,13 +19,14 @@ Both raise ``ContributionRejected`` on anything malformed.
 
 from __future__ import annotations
 
+import copy
 import math
 import struct
 from collections.abc import Callable, Sequence
 
 import torch
 
-from lowcomm.collectives.reduce_owner import ContributionRejected, decode_contribution
+from lowcomm.collectives.reduce_owner import ContributionRejected, check_finite, decode_contribution
 from lowcomm.compress import Codec, CodecError, SparseCodec, get_codec
 
 MAX_SENDER_BYTES = 64
@@ -55,7 +56,8 @@ class DenseMean:
         return get_codec(self.name, zstd_level=self.zstd_level).encode(payload[bounds[0]:bounds[1]])
 
     def own(self, payload: torch.Tensor, bounds: tuple[int, int]):
-        return payload[bounds[0]:bounds[1]]
+        """The owner's own slice, refused as any part when it is not finite."""
+        return check_finite(payload[bounds[0]:bounds[1]])
 
     def accept(self, blob: bytes, bounds: tuple[int, int]) -> torch.Tensor:
         return decode_contribution(blob, self.name, bounds[1] - bounds[0])
@@ -100,6 +102,8 @@ class SparseBundle:
         self.sizes = [math.prod(s) for s in self.shapes]
         self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes) + 1)]
         self.codecs = [codec_for(s) for s in self.shapes]
+        # decoders bounded by each parameter's size: a part declaring more is refused before decompressing
+        self.decoders = [_bounded(codec, size) for codec, size in zip(self.codecs, self.sizes)]
         self.combine = combine  # the algorithm's rule, e.g. SparseLoCo's clipped scatter-mean
 
     def numel(self, payload: Sequence[bytes]) -> int:
@@ -142,7 +146,7 @@ class SparseBundle:
         return bytes(blob), decoded
 
     def _decode(self, i: int, blob: bytes) -> tuple[torch.Tensor, torch.Tensor]:
-        codec = self.codecs[i]
+        codec = self.decoders[i]
         try:
             if isinstance(codec, SparseCodec):
                 indices, values, shape = codec.decode_sparse(blob)
@@ -198,6 +202,13 @@ class SparseBundle:
 
     def max_reply_bytes(self, bounds: tuple[int, int], members: int) -> int:
         return members * ((bounds[1] - bounds[0]) * 8 + (64 << 10))
+
+
+def _bounded(codec: Codec, numel: int) -> Codec:
+    """A copy of ``codec`` that decodes at most ``numel`` elements."""
+    bounded = copy.copy(codec)
+    bounded.max_elements = min(codec.max_elements, max(numel, 1))
+    return bounded
 
 
 YOURS = 0xFFFFFFFF  # a bundle entry's length: the recipient's own part, not echoed back to it

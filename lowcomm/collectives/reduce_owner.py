@@ -10,6 +10,12 @@ contributed or its deadline passes; the reduced shard is encoded once and the sa
 caller, so every replica applies identical values. Every received shard (own or others') is kept for
 one round so holes can be filled. A slot aborted before it closes (`abort`: its group gave up, e.g. an
 in-process run whose peer failed) wakes its callers with a CollectiveError instead of a reply.
+
+Hostile parts are refused, never raised into the owner's own round: a remote part that claims the
+owner's own id (`add` with `own=False`), a non-finite part (the owner's own included: the owner then
+leaves itself out, `leave_out`), a weight above the round's bound (`validate_weight`), and a part for
+a round more than `AHEAD_ROUNDS` past the owner's newest slot (`wait_slot` refuses it at once instead
+of holding a server thread for it); a wait for a slot ends when the caller's call ends (`active`).
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ from lowcomm.compress import CodecError, get_codec
 
 logger = logging.getLogger(__name__)
 KEEP_ROUNDS = 2
+AHEAD_ROUNDS = 2  # a part may name a round this far past the owner's newest slot (the overlap's reach)
+MAX_WEIGHT = 1e12  # hard bound on a contribution's weight (tokens), whatever the round's own bound
+WAIT_SLICE_S = 1.0  # a waiting server thread looks at its call's state at least this often
 
 
 class ContributionRejected(ValueError):
@@ -46,6 +55,7 @@ class Slot:
     blob: bytes | None = None
     aborted: str | None = None  # why the slot will never close (abort); its callers get a CollectiveError
     cond: threading.Condition = field(default_factory=threading.Condition)
+    owner: str | None = None  # the owner's own id: no remote part may claim it
 
     @property
     def codec_name(self) -> str:
@@ -59,8 +69,11 @@ class Slot:
     def contributors(self) -> set[str]:
         return set(self.items)
 
-    def add(self, sender: str, item: object, weight: float) -> None:
+    def add(self, sender: str, item: object, weight: float, own: bool = False) -> None:
+        """Adds ``sender``'s part; ``own``: the owner's own part, the one part that may carry its id."""
         with self.cond:
+            if not own and self.owner is not None and sender == self.owner:
+                raise ContributionRejected(f"a remote part claims this owner's own id {sender[:40]!r}")
             if self.blob is not None:
                 raise ContributionRejected(f"round {self.round} shard {self.shard} already closed")
             if sender in self.items:
@@ -68,6 +81,12 @@ class Slot:
             self.items[sender] = (item, weight)
             if set(self.items) >= self.members:
                 self.cond.notify_all()
+
+    def leave_out(self, sender: str) -> None:
+        """Closes the slot without waiting for ``sender`` (e.g. the owner whose own part was refused)."""
+        with self.cond:
+            self.members = self.members - {sender}
+            self.cond.notify_all()
 
     def abort(self, reason: str) -> None:
         """Wakes every caller of `result` with a CollectiveError, unless the slot already closed."""
@@ -113,17 +132,29 @@ class OwnerSlots:
             self._cond.notify_all()
             return self._slots[key]
 
-    def wait_slot(self, group: str, round_: int, timeout: float) -> Slot:
+    def wait_slot(self, group: str, round_: int, timeout: float, active=None) -> Slot:
+        """The slot of (group, round), waiting up to ``timeout`` for it to open, while ``active()`` holds
+        (the caller's call is alive; ``wake`` makes a wait look at it at once)."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while (group, round_) not in self._slots:
-                if self._newest.get(group, -1) > round_ + 1:
-                    raise ContributionRejected(f"stale round {round_}: this owner is at round {self._newest[group]}")
+                newest = self._newest.get(group, -1)
+                if newest > round_ + 1:
+                    raise ContributionRejected(f"stale round {round_}: this owner is at round {newest}")
+                if newest >= 0 and round_ > newest + AHEAD_ROUNDS:
+                    raise ContributionRejected(f"round {round_} is too far ahead: this owner is at round {newest}")
+                if active is not None and not active():
+                    raise ContributionRejected(f"round {round_}: the call ended while waiting for the slot")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TimeoutError(f"round {round_} not opened here within the deadline")
-                self._cond.wait(remaining)
+                self._cond.wait(min(remaining, WAIT_SLICE_S))
             return self._slots[(group, round_)]
+
+    def wake(self) -> None:
+        """Makes every wait look at its call's state (a gRPC call-ended callback)."""
+        with self._cond:
+            self._cond.notify_all()
 
     def hold(self, group: str, round_: int, shard: int, blob: bytes, contributors: list[str]) -> None:
         with self._cond:
@@ -149,9 +180,13 @@ class OwnerSlots:
 
 
 def decode_contribution(blob: bytes, codec_name: str, numel: int) -> torch.Tensor:
-    """Decodes a blob from the network, insisting on the expected size and finite values."""
+    """Decodes a blob from the network, insisting on the expected size and finite values.
+
+    The codec is bounded by ``numel`` before anything is decompressed: a zstd frame declaring more
+    than ``numel`` elements can hold (a decompression bomb) is refused from its header.
+    """
     try:
-        values = get_codec(codec_name, check_finite=True).decode(blob)
+        values = get_codec(codec_name, check_finite=True, max_elements=max(numel, 1)).decode(blob)
     except CodecError as e:
         raise ContributionRejected(f"undecodable payload: {e}") from None
     if values.numel() != numel:
@@ -162,7 +197,18 @@ def decode_contribution(blob: bytes, codec_name: str, numel: int) -> torch.Tenso
     return values
 
 
-def validate_weight(weight: float, cap: float = 1e12) -> float:
-    if not math.isfinite(weight) or weight <= 0 or weight > cap:
+def validate_weight(weight: float, cap: float | None = None) -> float:
+    """``weight`` when it is a positive finite number of tokens within ``cap`` (what one round can
+    produce; None: no bound of its own) and within MAX_WEIGHT; else ContributionRejected."""
+    if not math.isfinite(weight) or weight <= 0 or weight > MAX_WEIGHT:
         raise ContributionRejected(f"weight {weight} is not a positive finite number of tokens")
+    if cap is not None and weight > cap:
+        raise ContributionRejected(f"weight {weight} exceeds the {cap:g} tokens one round can produce")
     return float(weight)
+
+
+def check_finite(values: torch.Tensor) -> torch.Tensor:
+    """``values`` when every entry is finite; else ContributionRejected."""
+    if not bool(torch.isfinite(values).all()):
+        raise ContributionRejected("payload contains NaN or Inf")
+    return values

@@ -9,11 +9,18 @@ one did, the round is incomplete for this peer and it must resync state.
 Membership comes from a manifest (collectives.manifest) that covers `epoch_rounds` rounds; a
 round in which some member failed to contribute ends the epoch, and the exclusion travels in the
 owners' contributor lists, so every member sees the same failure and re-forms the group.
+
+An owner refuses (a `reject` event, a REJECTED reply) every part it cannot trust: one claiming the
+owner's own id, a non-finite one, a weight above `max_weight` (what one round can produce), a round
+too far ahead; its own non-finite part leaves it out of its shard. Nothing a remote part does raises
+into the owner's own round. At most `PER_SENDER_CALLS` Reduce calls per claimed sender are served
+at once; beyond that the call ends with RESOURCE_EXHAUSTED (`Overloaded`).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,11 +34,12 @@ from lowcomm.collectives.combiners import DenseMean
 from lowcomm.collectives.reduce_owner import ContributionRejected, OwnerSlots, Slot, validate_weight
 from lowcomm.collectives.config import SyncConfig
 from lowcomm.proto import wire_pb2
-from lowcomm.transport.service import PeerService
+from lowcomm.transport.service import Overloaded, PeerService
 from lowcomm.transport.wire import Channels, Traffic, WireError, assemble, slices
 
 logger = logging.getLogger(__name__)
 OK = wire_pb2.ReduceReply.OK
+PER_SENDER_CALLS = 4  # Reduce calls served at once per claimed sender (the overlap needs 2)
 
 
 @dataclass
@@ -46,8 +54,11 @@ class ShardedReduce(Collective):
 
     def __init__(self, peer_id: str, service: PeerService, channels: Channels, traffic: Traffic,
                  agreement: ManifestAgreement, sync: SyncConfig, codec: str, epoch_rounds: int = 1,
-                 on_event=None, combiner=None):
+                 on_event=None, combiner=None, max_weight: float | None = None):
+        """``max_weight``: the most tokens one member's part of a round can carry (tokens per step ×
+        inner steps); a part claiming more is refused (None: only reduce_owner.MAX_WEIGHT bounds it)."""
         self.me = peer_id
+        self.max_weight = max_weight
         self.channels = channels
         self.traffic = traffic
         self.agreement = agreement
@@ -62,6 +73,8 @@ class ShardedReduce(Collective):
         self._manifests: dict[str, Manifest] = {}
         self._suspects: dict[str, frozenset[str]] = {}
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="reduce")
+        self._calls: dict[str, int] = {}  # Reduce calls being served, by claimed sender
+        self._calls_lock = threading.Lock()
         service.reduce_handler = self._serve_reduce
         service.shard_handler = self._serve_shard
 
@@ -115,7 +128,7 @@ class ShardedReduce(Collective):
         my_shard = manifest.owners.index(self.me) if self.me in manifest.owners else None
         if my_shard is not None:
             slot = self.slots.open(Slot(key.group, round_, my_shard, frozenset(manifest.senders), bounds[my_shard],
-                                        self.combiner, deadline))
+                                        self.combiner, deadline, owner=self.me))
         sends = {}
         contributing = self.me in manifest.senders  # else (a bounded fan-in) it only receives the aggregate
         for j, owner in enumerate(manifest.owners):
@@ -123,7 +136,7 @@ class ShardedReduce(Collective):
                 if owner != self.me:
                     sends[j] = self._pool.submit(self._receive, manifest, key, round_, j, bounds[j], deadline)
             elif owner == self.me:
-                slot.add(self.me, self.combiner.own(payload, bounds[j]), weight)
+                self._add_own(slot, payload, bounds[j], weight)
             else:
                 sends[j] = self._pool.submit(self._send, manifest, key, round_, j,
                                              self.combiner.encode(payload, bounds[j]), weight, bounds[j], deadline)
@@ -177,6 +190,19 @@ class ShardedReduce(Collective):
                             "leader": manifest.leader, "epoch": manifest.round, "lost_shards": lost,
                             "shard_contributors": {j: r.contributors for j, r in replies.items()},
                             "record": {"owners": list(manifest.owners)}})
+
+    def _add_own(self, slot: Slot, payload, bounds: tuple[int, int], weight: float) -> None:
+        """The owner's own part into its slot; a refused one (non-finite, a bad weight) leaves it out."""
+        try:
+            slot.add(self.me, self.combiner.own(payload, bounds), validate_weight(weight, self.max_weight), own=True)
+        except ContributionRejected as e:
+            slot.leave_out(self.me)
+            self._reject(slot.round, self.me, e)
+
+    def _reject(self, round_: int, sender: str, error: Exception) -> None:
+        self.slots.rejected += 1
+        self.on_event("reject", round=int(round_), sender=sender[:40], error=str(error)[:200])
+        logger.warning("round %d: refused a part from %s: %s", round_, sender[:40], error)
 
     def _send(self, manifest: Manifest, key: GroupKey, round_: int, shard: int, blob: bytes, weight: float,
               bounds: tuple[int, int], deadline: float) -> ShardReply:
@@ -287,9 +313,44 @@ class ShardedReduce(Collective):
         first = next(requests, None)
         if first is None:
             raise ContributionRejected("empty stream")
+        release = self._admit(first.sender)
+        if release is None:
+            error = f"too many Reduce calls at once from {first.sender[:40]!r} (at most {PER_SENDER_CALLS})"
+            self._reject(first.round, first.sender, error)
+            raise Overloaded(error)
+        context.add_callback(release)
+        context.add_callback(self.slots.wake)
         try:
-            validate_weight(first.weight)
-            slot = self.slots.wait_slot(first.group, first.round, timeout=max(0.0, context.time_remaining() or 0))
+            yield from self._serve_part(first, requests, context)
+        finally:
+            release()
+
+    def _admit(self, sender: str):
+        """A one-shot release of ``sender``'s place among the calls served, or None when it has none left."""
+        with self._calls_lock:
+            if self._calls.get(sender, 0) >= PER_SENDER_CALLS:
+                return None
+            self._calls[sender] = self._calls.get(sender, 0) + 1
+        released = threading.Event()
+
+        def release():
+            with self._calls_lock:
+                if not released.is_set():
+                    released.set()
+                    self._calls[sender] -= 1
+                    if not self._calls[sender]:
+                        del self._calls[sender]
+
+        return release
+
+    def _serve_part(self, first, requests, context):
+        try:
+            if first.sender == self.me:
+                raise ContributionRejected(f"a remote part claims this owner's own id {first.sender[:40]!r}")
+            validate_weight(first.weight, self.max_weight)
+            wait_s = min(max(0.0, context.time_remaining() or 0),
+                         self.sync.reduce_timeout_s + self.sync.manifest_s + self.sync.announce_s)
+            slot = self.slots.wait_slot(first.group, first.round, timeout=wait_s, active=context.is_active)
             if first.sender not in slot.members:
                 raise ContributionRejected(f"{first.sender!r} is not a member of round {first.round}")
             if first.shard != slot.shard or first.codec != slot.codec_name:
@@ -299,8 +360,7 @@ class ShardedReduce(Collective):
                             self.combiner.max_reply_bytes(slot.bounds, 1))
             slot.add(first.sender, self.combiner.accept(blob, slot.bounds), first.weight)
         except (ContributionRejected, WireError, TimeoutError) as e:
-            self.slots.rejected += 1
-            self.on_event("reject", round=int(first.round), sender=first.sender[:40], error=str(e)[:200])
+            self._reject(first.round, first.sender, e)
             yield wire_pb2.ReduceReply(status=wire_pb2.ReduceReply.REJECTED, round=first.round, shard=first.shard,
                                        error=str(e))
             return

@@ -1,7 +1,8 @@
 """Global state as bytes: safetensors blobs, validated on receipt, served to joiners and resyncing peers.
 
 A holder keeps one snapshot (round, blob); a request may ask for a minimum round and wait for the
-holder to get there, so a joiner can start exactly at a round boundary. Received state is checked
+holder to get there, so a joiner can start exactly at a round boundary. That wait lasts at most
+`MAX_STATE_WAIT_S` and ends when the caller's call does. Received state is checked
 against the model's expected tensor names and shapes, dtype float32 and finiteness before any of it
 touches the model.
 """
@@ -19,6 +20,10 @@ from safetensors.torch import save as st_save
 
 from lowcomm.proto import wire_pb2
 from lowcomm.transport.wire import Channels, Traffic, WireError, assemble, slices
+
+
+MAX_STATE_WAIT_S = 120.0  # the longest a GetState call waits for the requested round
+WAIT_SLICE_S = 1.0  # a waiting server thread looks at its call's state at least this often
 
 
 class StateError(RuntimeError):
@@ -78,19 +83,24 @@ class StateHolder:
     def snapshot(self) -> Snapshot | None:
         return self._snapshot
 
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
     def serve(self, request, context):
         if request.run_id != self.run_id:
             yield wire_pb2.StateChunk(error=f"unknown run {request.run_id!r}")
             return
-        deadline = time.monotonic() + min(max(request.wait_s, 0.0), 600.0)
+        deadline = time.monotonic() + min(max(request.wait_s, 0.0), MAX_STATE_WAIT_S)
+        context.add_callback(self._wake)
         with self._cond:
             while self._snapshot is None or self._snapshot.round < request.min_round:
                 remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                if remaining <= 0 or not context.is_active():
                     have = -1 if self._snapshot is None else self._snapshot.round
                     yield wire_pb2.StateChunk(error=f"state at round {have}, below the requested {request.min_round}")
                     return
-                self._cond.wait(remaining)
+                self._cond.wait(min(remaining, WAIT_SLICE_S))
             snap = self._snapshot
         for i, data in enumerate(slices(snap.blob, self.chunk_bytes)):
             if i == 0:

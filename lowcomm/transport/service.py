@@ -10,6 +10,11 @@ as seen on this connection (another host is answered "no" undialled, anything bu
 INVALID_ARGUMENT), so nobody can make a peer dial a third machine or probe ports elsewhere. Each
 probe gets a channel of its own, closed after it, and at most `DIAL_BACKS` run at once (beyond that
 a Ping is refused with RESOURCE_EXHAUSTED).
+
+The calls that may wait (Reduce, GetShard, GetState, Exchange) are admitted `MAX_WAITING_CALLS` at
+a time, fewer than the server's threads, so a flood of them never starves Ping or the stage calls:
+one beyond the cap ends at once with RESOURCE_EXHAUSTED and counts as an error (a `reject` event). A
+handler that raises `Overloaded` (its own per-sender cap) ends its call the same way.
 """
 
 from __future__ import annotations
@@ -27,6 +32,11 @@ from lowcomm.transport.wire import Channels, Traffic, context_deadline, deadline
 logger = logging.getLogger(__name__)
 DIAL_BACKS = 4  # dial-backs running at once; each holds a server thread up to DIAL_BACK_TIMEOUT_S
 DIAL_BACK_TIMEOUT_S = 5.0
+MAX_WAITING_CALLS = 48  # Reduce, GetShard, GetState and Exchange calls served at once (start_server: 64 threads)
+
+
+class Overloaded(RuntimeError):
+    """A handler refuses a call for want of capacity; the call ends with RESOURCE_EXHAUSTED."""
 
 
 class DialBackRefused(ValueError):
@@ -73,6 +83,8 @@ class PeerService(wire_pb2_grpc.PeerServicer):
         self._errors = 0
         self._lock = threading.Lock()
         self._dial_backs = threading.BoundedSemaphore(DIAL_BACKS)
+        self._waiting = 0  # calls admitted by _admit and not yet over
+        self.max_waiting_calls = MAX_WAITING_CALLS
         self.on_error: Callable[[str, str], None] | None = None
 
     @property
@@ -86,43 +98,87 @@ class PeerService(wire_pb2_grpc.PeerServicer):
         if self.on_error is not None:
             self.on_error(method, str(error))
 
+    def _admit(self, method: str, context) -> Callable[[], None]:
+        """A one-shot release of this call's place among the waiting calls (also run when the call
+        ends); a call beyond `max_waiting_calls` is counted and ended with RESOURCE_EXHAUSTED."""
+        with self._lock:
+            admitted = self._waiting < self.max_waiting_calls
+            if admitted:
+                self._waiting += 1
+        if not admitted:
+            self._failed(method, Overloaded(f"{self.max_waiting_calls} calls are served already"), context)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"this peer serves {self.max_waiting_calls} calls already; retry later")
+        released = []
+
+        def release():
+            with self._lock:
+                if not released:
+                    released.append(True)
+                    self._waiting -= 1
+
+        context.add_callback(release)
+        return release
+
+    @property
+    def waiting_calls(self) -> int:
+        return self._waiting
+
     def Reduce(self, request_iterator, context):
         if self.reduce_handler is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "this peer serves no reduce yet")
+        release = self._admit("Reduce", context)
         try:
             deadline = context_deadline(context)
             requests = self.traffic.receiving(request_iterator, deadline)
             yield from self.traffic.sending(self.reduce_handler(requests, context), deadline)
+        except Overloaded as e:  # counted by the handler that refused
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except Exception as e:  # hostile input must never take the server down
             self._failed("Reduce", e, context)
             yield wire_pb2.ReduceReply(status=wire_pb2.ReduceReply.REJECTED, error=f"{type(e).__name__}: {e}")
+        finally:
+            release()
 
     def GetShard(self, request, context):
         deadline = context_deadline(context)
         self.traffic.count_received(request, deadline)
         if self.shard_handler is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "this peer holds no shards")
+        release = self._admit("GetShard", context)
         try:
             yield from self.traffic.sending(self.shard_handler(request, context), deadline)
         except Exception as e:
             self._failed("GetShard", e, context)
             yield wire_pb2.ReduceReply(status=wire_pb2.ReduceReply.REJECTED, error=f"{type(e).__name__}: {e}")
+        finally:
+            release()
 
     def GetState(self, request, context):
         deadline = context_deadline(context)
         self.traffic.count_received(request, deadline)
         if self.state_handler is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "this peer has no state to give yet")
+        release = self._admit("GetState", context)
         try:
             checkpoint = self.checkpointer is not None and request.requester == self.checkpointer
             yield from self.traffic.sending(self.state_handler(request, context), deadline, checkpoint=checkpoint)
         except Exception as e:
             self._failed("GetState", e, context)
             yield wire_pb2.StateChunk(error=f"{type(e).__name__}: {e}")
+        finally:
+            release()
 
     def Exchange(self, request_iterator, context):
         if self.exchange_handler is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "this peer runs no pair exchange")
+        release = self._admit("Exchange", context)
+        try:
+            return self._exchange(request_iterator, context)
+        finally:
+            release()
+
+    def _exchange(self, request_iterator, context):
         deadline = context_deadline(context)
         # A client that sets no deadline and trickles its stream must not hold a server thread for
         # good: the call is cancelled after exchange_cap_s whatever the client asked for.
