@@ -1,0 +1,88 @@
+"""Random bytes and fields into an owner's Reduce handler: every part ends in a clean refusal (a REJECTED
+reply and a `reject` event) or a valid contribution, never an exception, a wait or a changed slot.
+
+The handler is driven in-process (no gRPC) with a stand-in call context whose deadline is short, so
+a part that would wait for a slot is refused by `wait_slot` instead of holding the test.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lowcomm.collectives.combiners import DenseMean
+from lowcomm.collectives.reduce_owner import Slot
+from lowcomm.compress import get_codec
+from lowcomm.proto import wire_pb2
+from tests.unit.test_sharded_reduce import KEY, Board, Node
+
+NUMEL = 64
+CODECS = ["fp32", "uint8"]
+
+
+class Context:
+    """What the handler asks of a gRPC call's context."""
+
+    def time_remaining(self) -> float:
+        return 0.05
+
+    def is_active(self) -> bool:
+        return True
+
+    def add_callback(self, callback) -> bool:
+        return True
+
+
+def frames() -> st.SearchStrategy[bytes]:
+    valid = st.sampled_from(CODECS).map(lambda name: get_codec(name).encode(torch.randn(NUMEL)))
+    mutated = st.tuples(valid, st.integers(0, 200), st.binary(min_size=1, max_size=8)).map(
+        lambda t: t[0][:t[1]] + t[2] + t[0][t[1] + len(t[2]):])
+    return st.one_of(st.binary(max_size=600), valid, mutated)
+
+
+parts = st.builds(
+    lambda sender, round_, shard, weight, codec, data, total: wire_pb2.ReduceChunk(
+        run_id=KEY.run, group=KEY.group, round=round_, epoch=round_, sender=sender, shard=shard, weight=weight,
+        codec=codec, total_bytes=len(data) if total is None else total, data=data),
+    sender=st.sampled_from(["owner", "member", "stranger", ""]) | st.text(max_size=80),
+    round_=st.sampled_from([7, 8, 9]) | st.integers(0, 2**40),
+    shard=st.integers(0, 3),
+    weight=st.floats(allow_nan=True, allow_infinity=True),
+    codec=st.sampled_from(CODECS) | st.text(max_size=12),
+    data=frames(),
+    total=st.none() | st.integers(0, 2**62),
+)
+
+
+def test_random_parts_are_refused_cleanly_or_accepted():
+    node = Node("owner")
+    try:
+        reduce = node.reduce(Board(KEY.run, {"owner", "member"}))
+        reduce.max_weight = 1e6
+
+        @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+        @given(first=parts, more=st.lists(st.binary(max_size=64), max_size=3))
+        def check(first, more):
+            slot = Slot(KEY.group, 7, 0, frozenset({"owner", "member"}), (0, NUMEL), DenseMean("fp32", 0),
+                        time.monotonic() + 0.05, owner="owner")
+            reduce.slots = type(reduce.slots)()
+            reduce.slots.open(slot)
+            node.events.clear()
+            requests = iter([first, *(wire_pb2.ReduceChunk(data=d) for d in more)])
+            replies = list(reduce._serve_reduce(requests, Context()))
+            assert replies
+            if replies[0].status == wire_pb2.ReduceReply.REJECTED:
+                assert replies[0].error and "\n" not in replies[0].error.strip()
+                assert [e["kind"] for e in node.events] == ["reject"]
+                assert set(slot.items) <= {"member"}
+            else:  # accepted: only a member's well-formed, finite part of the right size and weight
+                assert first.sender == "member" and first.round == 7 and 0 < first.weight <= 1e6
+                values = slot.items.get("member")
+                assert values is None or values[0] is None or bool(torch.isfinite(values[0]).all())
+
+        check()
+    finally:
+        node.close()
