@@ -166,15 +166,20 @@ def test_a_decompression_bomb_is_refused_from_its_header(monkeypatch):
         DenseMean("uint8", 1).accept(blob, (0, NUMEL))
 
 
-def test_a_bomb_sent_to_an_owner_is_refused_with_a_reject_event(nodes):
+def test_a_bomb_sent_to_an_owner_is_refused_with_a_reject_event(nodes, monkeypatch):
     owner, sender = nodes[0], nodes[1]
+    spied = []
+    decompressor = codec_base.zstandard.ZstdDecompressor
+    monkeypatch.setattr(codec_base.zstandard, "ZstdDecompressor", lambda *a, **k: spied.append(1) or decompressor())
     reduce = owner.reduce(Board(KEY.run, {owner.id, sender.id}), codec="uint8")
     open_slot(reduce, 0, {owner.id, sender.id}, owner.id)
-    call = sender.channels.stub(owner.endpoint).Reduce(iter([part(sender.id, 0, data=bomb(2**28)[:4000],
-                                                                  codec="uint8")]), timeout=WAIT_S)
-    reply = list(call)[0]
-    assert reply.status == wire_pb2.ReduceReply.REJECTED
-    assert len(rejects(owner)) == 1
+    blob = bomb(2**28)
+    chunks = [part(sender.id, 0, data=blob[:4096], codec="uint8")]
+    chunks[0].total_bytes = len(blob)
+    chunks += [wire_pb2.ReduceChunk(data=blob[i:i + 4096]) for i in range(4096, len(blob), 4096)]
+    reply = list(sender.channels.stub(owner.endpoint).Reduce(iter(chunks), timeout=WAIT_S))[0]
+    assert reply.status == wire_pb2.ReduceReply.REJECTED and "declares" in reply.error
+    assert len(rejects(owner)) == 1 and not spied  # refused from the frame's header
 
 
 # ---- server threads: far-future rounds, cancellation, caps -------------------------------------
