@@ -24,7 +24,7 @@ from lowcomm.collectives.reduce_owner import ContributionRejected, Slot, decode_
 from lowcomm.collectives.sharded_reduce import PER_SENDER_CALLS
 from lowcomm.compress import base as codec_base
 from lowcomm.proto import wire_pb2
-from tests.unit.test_sharded_reduce import KEY, NUMEL, SYNC, WAIT_S, Board, Node, payload
+from unit.test_sharded_reduce import KEY, NUMEL, SYNC, WAIT_S, Board, Node, payload
 
 OWNER_WAIT_S = 30.0
 

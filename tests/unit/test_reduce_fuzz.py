@@ -17,7 +17,7 @@ from lowcomm.collectives.combiners import DenseMean
 from lowcomm.collectives.reduce_owner import Slot
 from lowcomm.compress import get_codec
 from lowcomm.proto import wire_pb2
-from tests.unit.test_sharded_reduce import KEY, Board, Node
+from unit.test_sharded_reduce import KEY, Board, Node
 
 NUMEL = 64
 CODECS = ["fp32", "uint8"]
