@@ -83,7 +83,8 @@ JOINER = textwrap.dedent('''
     model = PairLM(256, 32)
     joined = lowcomm.join(maddr, run_key=run_key, run_name=run_name, model=model,
                           optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), batches=batches,
-                          heldout=heldout, device="cpu", run_dir=run_dir, num_shards=2, start_file=start_file)
+                          heldout=heldout, device="cpu", run_dir=run_dir, num_shards=2, start_file=start_file,
+                          host="127.0.0.1")  # the test's coordinator listens on loopback only
     with open(out, "w") as f:
         json.dump({"exit_code": joined.exit_code, "final_loss": joined.final_loss, "steps": joined.steps,
                    "rounds": joined.rounds, "model": type(joined.model).__name__}, f)
