@@ -37,3 +37,21 @@ def rounds_of(records: list[dict]) -> dict[int, list[dict]]:
         if r["type"] == "round":
             by_round.setdefault(r["round"], []).append(r)
     return by_round
+
+
+def small_diloco_toml(inner_steps: int, rounds: int, eval_every_tokens: int, checkpoint_every_rounds: int) -> str:
+    """A DiLoCo run of `rounds` short rounds with tight sync deadlines, as a config file for the command line."""
+    return f"""
+[run]
+steps = {inner_steps * rounds}
+[diloco]
+inner_steps = {inner_steps}
+[data]
+eval_every_tokens = {eval_every_tokens}
+[sync]
+reduce_timeout_s = 8.0
+announce_s = 3.0
+manifest_s = 3.0
+[checkpoint]
+every_rounds = {checkpoint_every_rounds}
+"""

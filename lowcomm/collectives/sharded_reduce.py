@@ -20,7 +20,6 @@ at once; beyond that the call ends with RESOURCE_EXHAUSTED (`Overloaded`).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from lowcomm.collectives.manifest import Manifest, ManifestAgreement
 from lowcomm.collectives.combiners import DenseMean
 from lowcomm.collectives.reduce_owner import ContributionRejected, OwnerSlots, Slot, validate_weight
 from lowcomm.collectives.config import SyncConfig
+from lowcomm.collectives.sender_calls import SenderCalls
 from lowcomm.proto import wire_pb2
 from lowcomm.transport.service import Overloaded, PeerService
 from lowcomm.transport.wire import Channels, Traffic, WireError, assemble, slices
@@ -73,8 +73,7 @@ class ShardedReduce(Collective):
         self._manifests: dict[str, Manifest] = {}
         self._suspects: dict[str, frozenset[str]] = {}
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="reduce")
-        self._calls: dict[str, int] = {}  # Reduce calls being served, by claimed sender
-        self._calls_lock = threading.Lock()
+        self._calls = SenderCalls(PER_SENDER_CALLS)  # Reduce calls being served, by claimed sender
         service.reduce_handler = self._serve_reduce
         service.shard_handler = self._serve_shard
 
@@ -313,7 +312,7 @@ class ShardedReduce(Collective):
         first = next(requests, None)
         if first is None:
             raise ContributionRejected("empty stream")
-        release = self._admit(first.sender)
+        release = self._calls.admit(first.sender)
         if release is None:
             error = f"too many Reduce calls at once from {first.sender[:40]!r} (at most {PER_SENDER_CALLS})"
             self._reject(first.round, first.sender, error)
@@ -324,24 +323,6 @@ class ShardedReduce(Collective):
             yield from self._serve_part(first, requests, context)
         finally:
             release()
-
-    def _admit(self, sender: str):
-        """A one-shot release of ``sender``'s place among the calls served, or None when it has none left."""
-        with self._calls_lock:
-            if self._calls.get(sender, 0) >= PER_SENDER_CALLS:
-                return None
-            self._calls[sender] = self._calls.get(sender, 0) + 1
-        released = threading.Event()
-
-        def release():
-            with self._calls_lock:
-                if not released.is_set():
-                    released.set()
-                    self._calls[sender] -= 1
-                    if not self._calls[sender]:
-                        del self._calls[sender]
-
-        return release
 
     def _serve_part(self, first, requests, context):
         try:

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from children import default_sigint, wait_until
+from children import default_sigint, small_diloco_toml, wait_until
 
 from lowcomm.transport import netns
 from lowcomm.transport.netns import lab_objects, unavailable_reason
@@ -22,20 +22,7 @@ from lowcomm.transport.netns import lab_objects, unavailable_reason
 REPO = Path(__file__).resolve().parents[2]
 H, ROUNDS = 5, 3
 # tests/integration/test_integration.py's small_config, as a file for the command line
-SMALL = f"""
-[run]
-steps = {H * ROUNDS}
-[diloco]
-inner_steps = {H}
-[data]
-eval_every_tokens = {4 * H * 16 * 64 * 2}
-[sync]
-reduce_timeout_s = 8.0
-announce_s = 3.0
-manifest_s = 3.0
-[checkpoint]
-every_rounds = 2
-"""
+SMALL = small_diloco_toml(H, ROUNDS, eval_every_tokens=4 * H * 16 * 64 * 2, checkpoint_every_rounds=2)
 
 needs_root = pytest.mark.skipif(unavailable_reason() is not None,
                                 reason=f"simulate --netns needs root and iproute2: {unavailable_reason()}")

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from children import default_sigint, events, rounds_of, wait_until
+from children import default_sigint, events, rounds_of, small_diloco_toml, wait_until
 
 from lowcomm.runtime.processes import child_env
 from lowcomm.transport import netns
@@ -27,20 +27,7 @@ from lowcomm.transport.netns import NetnsLab, NetnsUnavailable, lab_objects, una
 
 REPO = Path(__file__).resolve().parents[2]
 H, ROUNDS = 3, 2
-SMALL = f"""
-[run]
-steps = {H * ROUNDS}
-[diloco]
-inner_steps = {H}
-[data]
-eval_every_tokens = 1000000000
-[sync]
-reduce_timeout_s = 8.0
-announce_s = 3.0
-manifest_s = 3.0
-[checkpoint]
-every_rounds = 0
-"""
+SMALL = small_diloco_toml(H, ROUNDS, eval_every_tokens=1000000000, checkpoint_every_rounds=0)
 
 needs_netns = pytest.mark.skipif(unavailable_reason() is not None,
                                  reason=f"namespace tests need root and iproute2: {unavailable_reason()}")

@@ -24,17 +24,10 @@ from lowcomm.collectives.reduce_owner import ContributionRejected, Slot, decode_
 from lowcomm.collectives.sharded_reduce import PER_SENDER_CALLS
 from lowcomm.compress import base as codec_base
 from lowcomm.proto import wire_pb2
-from unit.test_sharded_reduce import KEY, NUMEL, SYNC, WAIT_S, Board, Node, payload
+from children import wait_until
+from unit.test_sharded_reduce import KEY, NUMEL, SYNC, WAIT_S, Board, nodes, payload  # noqa: F401 (nodes: the fixture)
 
 OWNER_WAIT_S = 30.0
-
-
-@pytest.fixture
-def nodes():
-    nodes = [Node(f"peer-{i}") for i in range(4)]
-    yield nodes
-    for node in nodes:
-        node.close()
 
 
 def rejects(node) -> list[dict]:
@@ -73,8 +66,8 @@ def test_streams_claiming_the_owners_id_kill_no_peer(nodes, monkeypatch):
     victim = members[2]
     own = reduces[2].combiner.own
 
-    def slow_own(payload_, bounds):  # the owner encodes the other shards first: the forged parts land first
-        time.sleep(1.0)
+    def slow_own(payload_, bounds):  # the owner adds its own part only once both forged parts were refused
+        wait_until(lambda: len(rejects(victim)) >= 2, WAIT_S, "the forged parts refused", poll_s=0.05)
         return own(payload_, bounds)
 
     monkeypatch.setattr(reduces[2].combiner, "own", slow_own)
@@ -221,18 +214,13 @@ def test_a_cancelled_stream_frees_its_server_thread(nodes):
         chunks.wait(OWNER_WAIT_S)
 
     call = stub.Reduce(stream(), timeout=OWNER_WAIT_S)
-    until = time.monotonic() + WAIT_S
-    while threads_in("wait_slot") == 0 and time.monotonic() < until:
-        time.sleep(0.05)
+    wait_until(lambda: threads_in("wait_slot"), WAIT_S, "a server thread waiting for the slot", poll_s=0.05)
     assert threads_in("wait_slot") == 1
     call.cancel()
     chunks.set()
-    while threads_in("wait_slot") and time.monotonic() < until:
-        time.sleep(0.05)
-    assert threads_in("wait_slot") == 0  # well before OWNER_WAIT_S
-    while owner.service.waiting_calls and time.monotonic() < until:
-        time.sleep(0.05)
-    assert owner.service.waiting_calls == 0
+    # well before OWNER_WAIT_S, the call's end frees its thread and its place
+    wait_until(lambda: threads_in("wait_slot") == 0, WAIT_S, "the cancelled call's thread freed", poll_s=0.05)
+    wait_until(lambda: owner.service.waiting_calls == 0, WAIT_S, "the cancelled call's place freed", poll_s=0.05)
 
 
 def waiting_streams(stub, senders, round_: int, release: threading.Event):
@@ -249,9 +237,7 @@ def test_calls_beyond_the_per_sender_cap_are_refused_with_resource_exhausted(nod
     open_slot(reduce, 0, {owner.id, sender.id}, owner.id)
     stub, release = sender.channels.stub(owner.endpoint), threading.Event()
     held = waiting_streams(stub, [sender.id] * PER_SENDER_CALLS, 1, release)  # round 1: not open, within reach
-    until = time.monotonic() + WAIT_S
-    while threads_in("wait_slot") < PER_SENDER_CALLS and time.monotonic() < until:
-        time.sleep(0.05)
+    wait_until(lambda: threads_in("wait_slot") >= PER_SENDER_CALLS, WAIT_S, "the sender's calls waiting", poll_s=0.05)
     extra = waiting_streams(stub, [sender.id], 1, release)[0]
     with pytest.raises(grpc.RpcError) as refused:
         list(extra)
@@ -271,9 +257,7 @@ def test_calls_beyond_the_servers_cap_are_refused_with_resource_exhausted(nodes)
     owner.service.max_waiting_calls = 3
     stub, release = sender.channels.stub(owner.endpoint), threading.Event()
     held = waiting_streams(stub, ["x-1", "x-2", "x-3"], 1, release)
-    until = time.monotonic() + WAIT_S
-    while owner.service.waiting_calls < 3 and time.monotonic() < until:
-        time.sleep(0.05)
+    wait_until(lambda: owner.service.waiting_calls >= 3, WAIT_S, "three calls waiting", poll_s=0.05)
     with pytest.raises(grpc.RpcError) as refused:
         list(waiting_streams(stub, ["x-4"], 1, release)[0])
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -1,0 +1,36 @@
+"""How many calls each claimed sender has in flight on a server, bounded.
+
+A stranger who opens stream after stream under one sender id holds one server thread per stream;
+`SenderCalls.admit(sender)` lets at most `limit` of them be served at once. The id is only claimed,
+so a server-wide cap (transport.service) bounds the total whatever ids are used.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+
+class SenderCalls:
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._calls: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def admit(self, sender: str) -> Callable[[], None] | None:
+        """A one-shot release of ``sender``'s place among the calls served, or None when it has none left."""
+        with self._lock:
+            if self._calls.get(sender, 0) >= self.limit:
+                return None
+            self._calls[sender] = self._calls.get(sender, 0) + 1
+        released = threading.Event()
+
+        def release() -> None:
+            with self._lock:
+                if not released.is_set():
+                    released.set()
+                    self._calls[sender] -= 1
+                    if not self._calls[sender]:
+                        del self._calls[sender]
+
+        return release
