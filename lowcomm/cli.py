@@ -73,6 +73,7 @@ def _add_peer(sub) -> None:
                       "(simulate's initial placement; default: the stage that needs a newcomer most)")
     join.add_argument("--slowdown", type=float, help=argparse.SUPPRESS)  # emulates a slower device
     join.add_argument("--fault", help=argparse.SUPPRESS)
+    join.add_argument("--byzantine", metavar="KIND", help=argparse.SUPPRESS)  # runtime.byzantine
     join.add_argument("--start-file", type=Path, help=argparse.SUPPRESS)
 
 
@@ -100,6 +101,10 @@ def _add_simulate(sub) -> None:
     simulate.add_argument("--churn", metavar="SPEC",
                           help="inject churn: a schedule such as kill:1@r3,leave:1@r4,join:2@t30s (at round rN or "
                                "N seconds tNs) or a rate such as 0.25/round (overrides churn.spec; none disables)")
+    simulate.add_argument("--byzantine", metavar="KIND:N[,KIND:N]",
+                          help="make N of the peers Byzantine members that lie on the wire as KIND: sign-flip, "
+                               "scale, noise, constant, nan, inflate-weight, copy or replay (docs/simulation.md); "
+                               "the report's final_loss is then the honest peers'")
     simulate.add_argument("--stages", type=int, help="cut the model into S pipeline stages, each served by "
                           "changing sets of peers (overrides pipeline.stages; churn adds killstage:S@rR)")
     simulate.add_argument("--netns", action="store_true", default=None,
@@ -180,6 +185,9 @@ def peer_join(args) -> int:
         FaultPlan.parse(options.fault)
     except ValueError as e:
         raise ConfigError(f"--fault: {e}") from None
+    if options.byzantine:
+        from lowcomm.runtime.byzantine import Kind
+        Kind.parse(options.byzantine)
     check_peer(options)  # before the DHT is joined
     if options.run_dir is None:  # the records go somewhere a person finds them, ignored by git
         options = dataclasses.replace(options, run_dir=Path("runs") / options.run_name)
@@ -193,6 +201,7 @@ def peer_options_of(args) -> PeerOptions:
 
 
 def simulate(args) -> int:
+    from lowcomm.runtime.byzantine import parse_byzantine
     from lowcomm.runtime.churn import parse_churn
     from lowcomm.runtime.sim import Simulation, SimulationError
     from lowcomm.transport.netns import NetnsError, NetnsUnavailable
@@ -213,10 +222,13 @@ def simulate(args) -> int:
     churn = f", churn {parse_churn(config.churn.spec)}" if parse_churn(config.churn.spec) else ""
     mode = " in network namespaces (htb caps)" if config.link.netns else ""
     stages = f" in {config.pipeline.stages} pipeline stages" if config.pipelined else ""
+    byzantine = parse_byzantine(args.byzantine, args.peers)
+    liars = (", Byzantine " + ", ".join(f"peer-{i} ({kind.value})" for i, kind in sorted(byzantine.items()))
+             if byzantine else "")
     print(f"simulating {args.peers} peers{stages}, algo {config.run.algo}, {config.run.steps} steps each, "
-          f"links {', '.join(links)}{mode}{churn}; records in {run_dir}", file=sys.stderr)
+          f"links {', '.join(links)}{mode}{churn}{liars}; records in {run_dir}", file=sys.stderr)
     try:
-        report = Simulation(config, args.peers, run_dir).run()
+        report = Simulation(config, args.peers, run_dir, byzantine=byzantine).run()
     except NetnsUnavailable as e:
         print(f"lowcomm: --netns: {e}", file=sys.stderr)
         return 2
@@ -225,7 +237,8 @@ def simulate(args) -> int:
         return 1
     args.report.parent.mkdir(parents=True, exist_ok=True)
     args.report.write_text(json.dumps(report, indent=1))
-    print(f"final held-out loss {report['final_loss']:.4f}, {report['tokens']} tokens, "
+    honest = " (honest peers)" if report.get("byzantine") else ""
+    print(f"final held-out loss{honest} {report['final_loss']:.4f}, {report['tokens']} tokens, "
           f"{report['bytes_sent'] / 1e6:.2f} MB sent, wall {report['wall_s']:.1f}s, "
           f"compute utilization {report['compute_utilization'] or 0:.2f}"
           + (f", {report['wire_bytes'] / 1e6:.2f} MB on the wire ({report['control_bytes'] / 1e6:.2f} MB DHT)"

@@ -51,6 +51,7 @@ class PeerOptions:
     num_shards: int = 64
     run_dir: Path | None = None
     fault: str | None = None  # a test hook, KIND@ROUND (runtime.faults)
+    byzantine: str | None = None  # robustness experiments: lie on the wire as this kind (runtime.byzantine)
     start_file: Path | None = None  # simulate's start barrier: train once this file exists
     link: LinkSpec | None = None  # emulated access link for all data-plane traffic (None: unshaped)
     dht_host: str | None = None  # address the DHT (p2pd) listens on; None: `host`

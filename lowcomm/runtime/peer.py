@@ -26,6 +26,7 @@ from lowcomm.collectives.manifest import ManifestAgreement
 from lowcomm.collectives.pair_exchange import PairExchange
 from lowcomm.collectives.sharded_reduce import ShardedReduce
 from lowcomm.config import ConfigError
+from lowcomm.runtime.byzantine import Attack, ByzantineCollective, Kind, check_supported
 from lowcomm.runtime.console import Console, megabytes
 from lowcomm.runtime.context import PeerContext, round_timeout
 from lowcomm.runtime.evaluation import Evaluation
@@ -57,6 +58,8 @@ class Peer:
         ctx = self.ctx
         try:
             ctx.open()  # installs the signal handlers once the DHT's process is forked
+            if ctx.options.byzantine:
+                check_supported(Kind.parse(ctx.options.byzantine), ctx.config.run.algo, ctx.config.pipelined)
             if ctx.config.pipelined:  # the run is cut into stages: this process serves one of them
                 if self.make_trainer is not None:
                     raise ConfigError(f"run {ctx.options.run_name!r} is cut into {ctx.config.pipeline.stages} pipeline "
@@ -89,6 +92,9 @@ class TrainingPeer:
         self.algorithm = algorithm(config.run.algo)
         agreement = ManifestAgreement(ctx.control, config.sync, ctx.endpoint, ctx.client_mode, on_event=ctx.log.event)
         self.collective = self._collective(agreement)
+        if o.byzantine:  # lies on the wire only: its own state stays honest (runtime.byzantine)
+            self.collective = ByzantineCollective(self.collective, Attack(Kind.parse(o.byzantine), ctx.me),
+                                                  on_event=ctx.log.event)
         self.collective.before_send = self._stall_hook
         hooks = SyncHooks(gate=self._before_round, landed=self._landed, meter=lambda: ctx.traffic.sent,
                           timeout_s=round_timeout(config.sync), total_steps=config.run.steps)
@@ -107,7 +113,7 @@ class TrainingPeer:
         self._train_loss: float | None = None
         ctx.log.event("start", endpoint=ctx.endpoint, client_mode=ctx.client_mode, algo=config.run.algo,
                       device=device.type, config_hash=config.config_hash(), data_shard=shard,
-                      link=str(o.link) if o.link is not None else None)
+                      link=str(o.link) if o.link is not None else None, byzantine=o.byzantine)
 
     def _collective(self, agreement: ManifestAgreement):
         ctx, config, algo = self.ctx, self.config, self.algorithm

@@ -13,6 +13,11 @@ round's `sync_s` (the slowest peer's) is not below it (up to the shaper's 10 ms 
 member timed out; their ratio is how well the sync used the links. Under `simulate --netns` the
 caller passes `links_override` (each peer's kernel cap with the latency its application shaper
 adds), as the peers' own start events then hold only the latency (`unlimited:40ms`).
+
+Byzantine members (`simulate --byzantine`, from their start events) are listed in `byzantine`
+(peer id, kind, simulate index) and left out of `final_loss` and its spread, which are the honest
+peers' final evaluations; `final_loss_honest` says so by name, and `final_loss_byzantine` is the
+Byzantine members' own (None without them). Their `byzantine` events stay in `events`.
 """
 
 from __future__ import annotations
@@ -44,12 +49,19 @@ def build_report(records: list[dict], *, algo: str, peers: int, seed: int, model
         running += row["bytes"]
         cumulative[row["round"]] = running
     evals = _evals(records, first_t, cumulative)
-    final = [r["loss"] for r in records if r["type"] == "eval" and r.get("final")]
+    byzantine = [{"peer": r["peer"], "kind": r["byzantine"], "index": r.get("data_shard")} for r in records
+                 if r["type"] == "event" and r.get("kind") == "start" and r.get("byzantine")]
+    liars = {b["peer"] for b in byzantine}
+    final = [r["loss"] for r in records if r["type"] == "eval" and r.get("final") and r["peer"] not in liars]
+    final_byzantine = [r["loss"] for r in records if r["type"] == "eval" and r.get("final") and r["peer"] in liars]
+    honest_evals = _evals([r for r in records if r["type"] != "eval" or r["peer"] not in liars], first_t, cumulative)
     report = {
         "algo": algo, "peers": peers, "stages": 1, "seed": seed, "model_params": model_params,
         "tokens": sum(c.get("tokens", 0) for c in compute.values()),
-        "final_loss": (sum(final) / len(final)) if final else (evals[-1]["loss"] if evals else None),
+        "final_loss": (sum(final) / len(final)) if final else (honest_evals[-1]["loss"] if honest_evals else None),
         "final_loss_spread": (max(final) - min(final)) if final else None,
+        "byzantine": byzantine,
+        "final_loss_byzantine": (sum(final_byzantine) / len(final_byzantine)) if final_byzantine else None,
         "bytes_sent": bytes_sent,
         "control_bytes": None,  # netns mode: the DHT's bytes, from the kernel's counters (sim.py)
         "wire_bytes": None,  # netns mode: every frame every node sent, headers and all
@@ -64,6 +76,7 @@ def build_report(records: list[dict], *, algo: str, peers: int, seed: int, model
         "events": sorted(({**{k: v for k, v in r.items() if k not in ("type",)}, "t": r["t"] - first_t}
                           for r in records if r["type"] == "event"), key=lambda e: e["t"]),
     }
+    report["final_loss_honest"] = report["final_loss"]
     report["bytes_per_token"] = report["bytes_sent"] / report["tokens"] if report["tokens"] else None
     report["compute_utilization"] = (report["compute_s"] / (peers * report["wall_s"])) if report["wall_s"] > 0 else None
     for what in ("sync_wait", "eval"):  # the training loop's other time, as a share of the peers' wall time

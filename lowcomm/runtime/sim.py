@@ -5,7 +5,8 @@ launcher kills each group (so a DHT helper or p2pd never outlives its peer) and 
 nothing is left. Progress comes from the peers' JSONL records; the report is built from them.
 Each peer gets its emulated link from the config's [link] section as its own `--link` flag.
 With a churn plan (runtime.churn), joiners are started ahead and parked, and the wait loop applies
-the plan's kills, leaves and joins as the swarm's rounds advance.
+the plan's kills, leaves and joins as the swarm's rounds advance. Peers named in `byzantine` (by
+index; `simulate --byzantine KIND:N`) start with `--byzantine KIND` (runtime.byzantine).
 
 Namespace mode (`--netns`, `[link] netns = true`; Linux and root) runs each process through
 `node.wrap` in its own node of a transport.netns lab: the coordinator's node is uncapped, each peer's
@@ -39,6 +40,7 @@ from tqdm import tqdm
 from lowcomm.config import ConfigError, RunConfig
 from lowcomm.data.corpus import CorpusError, load_corpus
 from lowcomm.models.factory import ModelFactoryError, build_model
+from lowcomm.runtime.byzantine import Kind, check_supported
 from lowcomm.runtime.churn import ChurnExecutor, ChurnPlan, parse_churn
 from lowcomm.runtime.processes import (Process, SimulationError, spawn, terminate_ignored, terminate_raises,
                                        wait_for_file)
@@ -63,6 +65,7 @@ class Simulation:
     netns: bool | None = None  # None: the config's link.netns
     slowdowns: dict[int, float] = field(default_factory=dict)  # pipelines: emulated slower peers, by index
     stage_of: dict[int, int] | None = None  # pipelines: initial stage by peer index (default: index mod S)
+    byzantine: dict[int, Kind] = field(default_factory=dict)  # Byzantine members' kinds, by peer index
     processes: list[Process] = field(default_factory=list)
     lab: NetnsLab | None = None  # namespace mode: opened by open_lab() (or the first process), closed by close()
     node_indices: dict[str, int | None] = field(default_factory=dict)  # node name -> peer index (None: coordinator)
@@ -205,6 +208,8 @@ class Simulation:
             args += ["--stage", str(stage)]
         if self.slowdowns.get(index, 1.0) != 1.0:
             args += ["--slowdown", str(self.slowdowns[index])]
+        if index in self.byzantine:
+            args += ["--byzantine", Kind(self.byzantine[index]).value]
         if fault or self.peer_faults.get(index):
             args += ["--fault", fault or self.peer_faults[index]]
         if node is not None and link is not None and link.latency_s > 0:
@@ -333,8 +338,11 @@ class Simulation:
             logger.exception("while removing the lab after %s", type(error).__name__)
 
     def check_model_and_data(self) -> None:
-        """The [model] factory imports and builds a module, the [data] corpus loads and fits the model
-        (a text folder's cache is built here, once): ConfigError before any process starts."""
+        """Byzantine kinds fit the algorithm, the [model] factory imports and builds a module, the [data]
+        corpus loads and fits the model (a text folder's cache is built here, once): ConfigError before
+        any process starts."""
+        for kind in set(self.byzantine.values()):
+            check_supported(Kind(kind), self.config.run.algo, self.config.pipelined)
         model = self.config.model
         try:
             build_model(model)
