@@ -30,6 +30,7 @@ from lowcomm.algorithms.streaming import CODECS as STREAMING_CODECS
 from lowcomm.algorithms.streaming import StreamingConfig, check_one_in_flight, rounds_started_by, step_after_rounds
 from lowcomm.collectives.config import SyncConfig
 from lowcomm.collectives.pair_payload import WIRE_CODECS as NOLOCO_CODECS
+from lowcomm.collectives.robust import AGGREGATES
 from lowcomm.compress.base import MAX_ZSTD_LEVEL
 from lowcomm.compress.sparse import MAX_CHUNK
 from lowcomm.compress.topk import VALUE_CODECS
@@ -63,6 +64,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "inner.weight_decay": _AT_LEAST_0, "inner.batch_size": _AT_LEAST_1,
     "inner.grad_clip": (lambda v: v >= 0, ">= 0 (0: no clipping)"),
     "diloco.inner_steps": _AT_LEAST_1, "diloco.outer_lr": _POSITIVE, "diloco.outer_momentum": _UNIT_OPEN,
+    "diloco.trim_fraction": (lambda v: 0 <= v < 0.5, "in [0, 0.5)"), "diloco.clip_tau": _POSITIVE,
     "streaming.fragments": _AT_LEAST_1, "streaming.fragment_sync_delay": _AT_LEAST_0, "streaming.alpha": _UNIT,
     "sparseloco.inner_steps": _AT_LEAST_1, "sparseloco.outer_lr": _POSITIVE, "sparseloco.beta": _UNIT,
     "sparseloco.chunk": (lambda v: 2 <= v <= MAX_CHUNK, f"in [2, {MAX_CHUNK}]"),
@@ -226,6 +228,7 @@ class RunConfig:
         return [("run.algo", self.run.algo, ALGOS), ("data.corpus", self.data.corpus, CORPORA),
                 ("data.dtype", self.data.dtype, TOKEN_DTYPES),
                 ("diloco.codec", self.diloco.codec, DILOCO_CODECS),
+                ("diloco.aggregate", self.diloco.aggregate, AGGREGATES),
                 ("streaming.codec", self.streaming.codec, STREAMING_CODECS),
                 ("sparseloco.values", self.sparseloco.values, VALUE_CODECS),
                 ("noloco.codec", self.noloco.codec, NOLOCO_CODECS),

@@ -2,7 +2,7 @@
 
     θ ← φ;  H steps of the inner optimizer on local data
     Δ_r = φ − θ_r                       # sign matters: the outer step descends Δ
-    Δ̄  = mean_r Δ_r                     # the collective (weighted by tokens)
+    Δ̄  = mean_r Δ_r                     # the collective (weighted by tokens; median-norm clipped by default)
     φ  ← OuterSGD(φ, grad=Δ̄, lr=η_out, momentum=μ, nesterov)
 
 φ and the outer optimizer live on the CPU in float32 on every peer, so every replica computes the
@@ -19,6 +19,7 @@ from torch import nn
 from lowcomm.algorithms.base import SyncHooks
 from lowcomm.algorithms.outer import OuterReplica
 from lowcomm.collectives.base import Collective, GroupKey, RoundResult
+from lowcomm.collectives.robust import Aggregate
 
 CODECS = ("fp32", "uint8")  # the pseudo-gradient on the wire
 
@@ -33,6 +34,13 @@ class DilocoConfig:
     nesterov: bool = True
     codec: str = "uint8"  # one of CODECS
     overlap: bool = False  # one-step-delay overlap (ALGORITHMS.md §1)
+    aggregate: str = "median-clip"  # how a shard owner combines the Δ parts: one of collectives.robust.AGGREGATES
+    trim_fraction: float = 0.25  # trimmed-mean: share of values left out at each end of a coordinate, in [0, 0.5)
+    clip_tau: float = 1.0  # centered-clip: τ as a multiple of the parts' median distance from the clipped mean
+
+    def robust_aggregate(self) -> Aggregate:
+        """The shard owners' rule for this config's Δ parts (DiLoCo and Streaming DiLoCo)."""
+        return Aggregate(self.aggregate, self.trim_fraction, self.clip_tau)
 
 
 class DiLoCo(OuterReplica):

@@ -2,9 +2,10 @@
 
 Each entry says how the runtime must build the algorithm's collective (``exchange``: a sharded
 reduce of one payload, or NoLoCo's pair exchange; ``codec`` on the wire; ``combiner``, the payload
-combiner of the sparse algorithms; ``epoch_rounds``, rounds per membership epoch) and builds the
-replica from a `ReplicaSpec`. The one-step-delay overlap (`diloco.overlap`, `sparseloco.overlap`)
-wraps the replica the entry builds.
+combiner of the sparse algorithms, or the dense mean with DiLoCo's robust rule, `diloco.aggregate`;
+None: the plain mean, which ddp keeps to stay exact data parallelism; ``epoch_rounds``, rounds per
+membership epoch) and builds the replica from a `ReplicaSpec`. The one-step-delay overlap
+(`diloco.overlap`, `sparseloco.overlap`) wraps the replica the entry builds.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from lowcomm.algorithms.overlapped import Overlapped
 from lowcomm.algorithms.sparseloco_replica import SparseLoCo
 from lowcomm.algorithms.sparseloco_replica import combiner as sparseloco_combiner
 from lowcomm.algorithms.streaming_replica import StreamingDiLoCo
+from lowcomm.collectives.combiners import DenseMean
 
 REDUCE, PAIRS = "reduce", "pairs"
 
@@ -49,6 +51,19 @@ class Algorithm:
         return Overlapped(replica, spec.manifest_of) if self.overlaps(spec.config) else replica
 
 
+def _dense(codec: Callable[[object], str]) -> Callable[[object, list], DenseMean]:
+    """The dense combiner of DiLoCo and Streaming DiLoCo: ``codec``, with the `[diloco]` robust aggregate."""
+    return lambda c, shapes: DenseMean(codec(c), c.sync.zstd_level, c.diloco.robust_aggregate())
+
+
+def _diloco_codec(c) -> str:
+    return c.diloco.codec
+
+
+def _streaming_codec(c) -> str:
+    return c.streaming.codec
+
+
 def _common(spec: ReplicaSpec) -> dict:
     return {"tokens_per_step": spec.tokens_per_step, "hooks": spec.hooks}
 
@@ -61,11 +76,13 @@ def _demo(spec: ReplicaSpec) -> Demo:
 
 
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
-    Algorithm("diloco", "diloco", REDUCE, lambda c: c.diloco.codec,
-              lambda s: DiLoCo(s.model, s.config.diloco, s.collective, s.key, **_common(s))),
-    Algorithm("streaming-diloco", "streaming", REDUCE, lambda c: c.streaming.codec,
+    Algorithm("diloco", "diloco", REDUCE, _diloco_codec,
+              lambda s: DiLoCo(s.model, s.config.diloco, s.collective, s.key, **_common(s)),
+              combiner=_dense(_diloco_codec)),
+    Algorithm("streaming-diloco", "streaming", REDUCE, _streaming_codec,
               lambda s: StreamingDiLoCo(s.model, s.config.diloco, s.config.streaming, s.collective, s.key,
-                                        **_common(s))),
+                                        **_common(s)),
+              combiner=_dense(_streaming_codec)),
     Algorithm("sparseloco", "sparseloco", REDUCE, lambda c: c.diloco.codec,
               lambda s: SparseLoCo(s.model, s.config.sparseloco, s.collective, s.key, **_common(s)),
               combiner=lambda c, shapes: sparseloco_combiner(c.sparseloco, shapes)),

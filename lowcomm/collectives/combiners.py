@@ -3,7 +3,8 @@
 The sharded reduce moves bytes; a combiner gives them meaning:
 
 - ``DenseMean`` (DiLoCo, ddp): each member sends its slice of the flat payload encoded with a
-  codec; the owner returns the token-weighted mean, encoded once.
+  codec; the owner returns the token-weighted mean, encoded once, or the robust rule the
+  algorithm asks for (collectives.robust: median-norm clip, trimmed mean, CenteredClip).
 - ``SparseBundle`` (SparseLoCo; DESIGN.md "Sparse payloads"): a reduced sparse shard would cost
   more than its inputs, so the owner only decides the contributor set and returns the
   contributors' own encoded payloads (sorted by sender); every member combines them itself with
@@ -27,6 +28,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from lowcomm.collectives.reduce_owner import ContributionRejected, check_finite, decode_contribution
+from lowcomm.collectives.robust import Aggregate
 from lowcomm.compress import Codec, CodecError, SparseCodec, get_codec
 
 MAX_SENDER_BYTES = 64
@@ -34,11 +36,15 @@ Contribution = tuple[torch.Tensor, torch.Tensor]  # (flat indices, values) of on
 
 
 class DenseMean:
-    """Token-weighted mean of dense slices, encoded with ``codec`` (the round's codec name)."""
+    """Token-weighted mean of dense slices, encoded with ``codec`` (the round's codec name).
 
-    def __init__(self, codec: str, zstd_level: int):
+    ``aggregate`` (collectives.robust) combines a shard's parts; the default is the plain mean.
+    """
+
+    def __init__(self, codec: str, zstd_level: int, aggregate: Aggregate = Aggregate()):
         self.name = codec
         self.zstd_level = zstd_level
+        self.aggregate = aggregate
 
     def numel(self, payload: torch.Tensor) -> int:
         return payload.numel()
@@ -63,10 +69,8 @@ class DenseMean:
         return decode_contribution(blob, self.name, bounds[1] - bounds[0])
 
     def close(self, items: dict[str, tuple[object, float]], bounds: tuple[int, int]) -> bytes:
-        if items:  # summed in sender order: the same bytes whatever order the parts arrived in
-            ordered = [items[sender] for sender in sorted(items)]
-            total = sum(values.to(torch.float32) * weight for values, weight in ordered)
-            mean = total / sum(weight for _, weight in ordered)
+        if items:  # combined in sender order: the same bytes whatever order the parts arrived in
+            mean = self.aggregate([items[sender] for sender in sorted(items)])
         else:  # nobody contributed, not even the owner: an empty round
             mean = torch.zeros(bounds[1] - bounds[0])
         return get_codec(self.name, zstd_level=self.zstd_level).encode(mean)

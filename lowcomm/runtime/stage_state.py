@@ -86,7 +86,7 @@ class StageState:
         """The run's algorithm (DiLoCo or SparseLoCo, the config checks) for this stage, from the registry."""
         algo = algorithm(self.config.run.algo)
         combiner = algo.combiner(self.config, [tuple(p.shape) for p in module.parameters()])
-        if combiner is not None:  # the sparse payloads of this stage's parameters
+        if combiner is not None:  # the algorithm's own (sparse payloads of this stage, DiLoCo's robust mean)
             self.collective.combiner, self.collective.codec = combiner, combiner.name
         key = GroupKey(self.ctx.options.run_name, stage=stage)
         return algo.build(ReplicaSpec(module, self.config, self.collective, key))

@@ -4,7 +4,8 @@ The algorithm tests pin the pure functions with these fixtures; here the same in
 classes the runtime runs, on their real network code path minus gRPC: R replicas, each in its own
 thread (a LocalGroup round completes when every member started it), connected by a
 ``collectives.local.LocalGroup`` whose combiner is the registry's (dense fp32 for DiLoCo and Streaming
-DiLoCo, ``SparseBundle`` for SparseLoCo and DeMo). The inner steps are the fixtures' fixed gradient
+DiLoCo, with ``diloco.aggregate = "mean"``: the fixtures are plain means; ``SparseBundle`` for
+SparseLoCo and DeMo). The inner steps are the fixtures' fixed gradient
 sequences (SGD that ignores θ), so Δ = φ − θ is the fixture's pseudo-gradient. NoLoCo runs over the
 production ``PairExchange`` on loopback gRPC (a LocalGroup reduces over every member and returns one
 aggregate; NoLoCo needs its group-mates' own tensors), with a stand-in for the DHT's agreement.
@@ -181,7 +182,7 @@ def test_diloco_replicas_reproduce_the_golden_phi_sequence(ending):
     rounds, replicas, steps = len(data["grads"]), len(data["grads"][0]), len(data["grads"][0][0])
     overlap = ending != "plain"
     config = RunConfig(diloco=DilocoConfig(inner_steps=steps, outer_lr=0.7, outer_momentum=0.9, nesterov=True,
-                                           codec="fp32", overlap=overlap))
+                                           codec="fp32", overlap=overlap, aggregate="mean"))
     models = [Blocks(data["phi0"]) for _ in range(replicas)]
     group = local_group("diloco", config, [tuple(p.shape) for p in models[0].parameters()], replicas)
     assert isinstance(group.combiner, DenseMean) and group.combiner.name == "fp32"
@@ -309,7 +310,7 @@ def test_streaming_replicas_reproduce_the_golden_schedule_trajectory():
     H, P, tau, alpha = data["H"], data["P"], data["tau"], data["alpha"]
     steps, replicas = len(data["grads"]), len(data["grads"][0])
     config = RunConfig(diloco=DilocoConfig(inner_steps=H, outer_lr=0.7, outer_momentum=0.9, nesterov=True,
-                                           codec="fp32"),
+                                           codec="fp32", aggregate="mean"),
                        streaming=StreamingConfig(fragments=P, fragment_sync_delay=tau, alpha=alpha, codec="fp32"))
     models = [Blocks(data["phi0"]) for _ in range(replicas)]
     group = local_group("streaming-diloco", config, [tuple(p.shape) for p in models[0].parameters()], replicas)
