@@ -4,11 +4,16 @@ With `sync.max_contributors` = G > 0 the manifest also bounds the round's fan-in
 the first G in the order of sha256(run ‖ group ‖ round ‖ peer id) (a fair rotation across rounds),
 send contributions; the other members receive the aggregate without adding to it.
 
-The leader is the lowest peer id among the announcers; if its manifest does not appear within
-`manifest_s`, the next announcer in id order writes one, and so on. Readers follow the manifest of
-the lowest-id writer they see. A manifest fixes the ordered member list, which members own a shard
-(client-mode peers own none), and how many consecutive rounds it covers (a membership epoch, so
-per-step algorithms do not touch the DHT every step).
+The leader is the lowest peer id among the announcers that reached the round, the members of the
+previous manifest first; if its manifest does not appear within `manifest_s`, the next candidate
+writes one, and so on. A manifest counts only from a member of the previous manifest this peer
+followed (or learned, `learn`): any other writer is refused (a `reject` event), so a stranger's keys
+cannot lead a round. Only once every previous member that reached the round had its turn does a
+candidate from outside that list count (all previous members gone: the run goes on). A peer that
+knows no previous manifest (the run's first round, a joiner without an anchor) follows the lowest-id
+writer, as every writer is equal to it. A manifest fixes the ordered member list, which members own
+a shard (client-mode peers own none), and how many consecutive rounds it covers (a membership
+epoch, so per-step algorithms do not touch the DHT every step).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from lowcomm.transport.control import ControlPlane, PeerRecord
 
 logger = logging.getLogger(__name__)
 POLL_S = 0.05
+KNOWN_MANIFESTS = 8  # per group: the manifests remembered for the writer check
 
 
 @dataclass
@@ -78,6 +84,44 @@ class ManifestAgreement:
         self.endpoint = endpoint
         self.client_mode = client_mode
         self.me = control.identity.peer_id
+        self._known: dict[str, list[tuple[int, frozenset[str]]]] = {}  # group -> (first round, members), by round
+        self._refused: set[tuple[str, int, str]] = set()  # (group, round, writer) already counted
+        self.refused_writers = 0
+
+    # ---- which writers count --------------------------------------------------------------------
+
+    def learn(self, group: str, round_: int, members) -> None:
+        """Remembers the members of the manifest that starts at ``round_``: the next manifest counts only
+        from one of them. A followed manifest is remembered by itself; a joiner learns its first from
+        the anchor its state was checked against (runtime.round_anchor)."""
+        known = [k for k in self._known.get(group, []) if k[0] != round_] + [(round_, frozenset(members))]
+        self._known[group] = sorted(known)[-KNOWN_MANIFESTS:]
+
+    def trusted(self, group: str, round_: int) -> frozenset[str] | None:
+        """The writers whose manifest for ``round_`` counts: the members of the newest manifest known to
+        start before it; None when none is known (every writer counts)."""
+        before = [members for first, members in self._known.get(group, []) if first < round_]
+        return before[-1] if before else None
+
+    def _remember(self, manifest: Manifest) -> Manifest:
+        self.learn(manifest.group, manifest.round, manifest.members)
+        return manifest
+
+    def _pick(self, manifests: dict[str, dict], group: str, round_: int,
+              fallback: frozenset[str] = frozenset()) -> Manifest | None:
+        """The manifest to follow: the lowest-id trusted writer's, else (all previous members gone) the
+        lowest-id writer's in ``fallback``; every other writer is refused once, as a `reject` event."""
+        trusted = self.trusted(group, round_)
+        if trusted is None:
+            return _first_valid(manifests, group, round_)
+        for writer in sorted(set(manifests) - trusted - fallback):
+            if (group, round_, writer) not in self._refused:
+                self._refused.add((group, round_, writer))
+                self.refused_writers += 1
+                self.on_event("reject", round=round_, sender=writer,
+                              reason="a manifest from a peer outside the previous round's members")
+        order = sorted(set(manifests) & trusted) + sorted((set(manifests) & fallback) - trusted)
+        return _first_valid({w: manifests[w] for w in order}, group, round_, order)
 
     @property
     def _presence(self) -> dict:
@@ -106,17 +150,25 @@ class ManifestAgreement:
 
     def agree(self, group: str, round_: int, epoch_rounds: int, codec: str,
               suspects: frozenset[str] = frozenset()) -> Manifest:
+        """The manifest of ``round_`` this peer follows (and remembers: it decides who writes the next)."""
         ttl = self._ttl
         self.announce(group, round_)
         announcers = self._gather(group, round_, suspects)
-        order = sorted(p for p, info in announcers.items() if not info.get("ahead"))  # candidate leaders
+        candidates = sorted(p for p, info in announcers.items() if not info.get("ahead"))
+        trusted = self.trusted(group, round_)
+        if trusted is None:
+            order, first_outside = candidates, 0
+        else:  # the previous members first: a newcomer leads only once each of them had its turn
+            order = [p for p in candidates if p in trusted] + [p for p in candidates if p not in trusted]
+            first_outside = sum(p in trusted for p in candidates)
         published = False
         started = time.monotonic()
         while True:
-            manifests = self.control.manifests(group, round_)
-            if manifests:
-                return self._follow(manifests, group, round_)
             turn = int((time.monotonic() - started) // self.sync.manifest_s)
+            fallback = frozenset(order[first_outside:turn + 1])
+            manifests = self.control.manifests(group, round_)
+            if manifests and self._pick(manifests, group, round_, fallback) is not None:
+                return self._follow(manifests, group, round_, fallback)
             if turn >= len(order):
                 raise CollectiveError(f"no manifest for round {round_} after {len(order)} candidate leaders")
             if order[turn] == self.me and not published:
@@ -142,13 +194,18 @@ class ManifestAgreement:
             present = {p for p, info in announcers.items() if not info.get("ahead")} | {self.me}
             announced = due <= set(announcers) | {self.me}
             if (due <= present or time.monotonic() >= deadline
-                    or (announced and self.control.manifests(group, round_))):
+                    or (announced and self._settled(group, round_))):
                 missing = due - set(announcers) - {self.me}
                 if missing:  # a live record that never announced (dead, or late): the round goes on without it
                     self.on_event("timeout", round=round_, stage="announce", missing=sorted(missing))
                 announcers[self.me] = self._presence
                 return announcers
             time.sleep(POLL_S)
+
+    def _settled(self, group: str, round_: int) -> bool:
+        """Whether a manifest that counts exists for the round (a stranger's does not end the wait)."""
+        manifests = self.control.manifests(group, round_)
+        return bool(manifests) and self._pick(manifests, group, round_) is not None
 
     def _publish(self, group, round_, epoch_rounds, codec, announcers, ttl) -> None:
         members = sorted(p for p, v in announcers.items() if isinstance(v.get("endpoint"), str))
@@ -160,17 +217,30 @@ class ManifestAgreement:
         self.control.publish_manifest(group, round_, manifest.to_dict(), ttl)
         logger.info("round %d: wrote the manifest for %d members", round_, len(members))
 
-    def read(self, group: str, round_: int) -> Manifest | None:
-        """The manifest every member of the round follows (this peer a member or not); None if none yet."""
-        return _first_valid(self.control.manifests(group, round_), group, round_)
+    def read(self, group: str, round_: int, fallback: bool = False) -> Manifest | None:
+        """The manifest every member of the round follows (this peer a member or not); None if none yet.
 
-    def _follow(self, manifests: dict[str, dict], group: str, round_: int) -> Manifest:
+        With ``fallback`` (a reader that saw the run move past the round), a writer outside the previous
+        members counts too if it announced that it reached the round: the writer of a run whose
+        previous members were all gone."""
+        manifests = self.control.manifests(group, round_)
+        if not manifests:
+            return None
+        outside = frozenset()
+        if fallback:
+            outside = frozenset(p for p, info in self.control.announcers(group, round_).items()
+                                if isinstance(info.get("endpoint"), str) and not info.get("ahead"))
+        manifest = self._pick(manifests, group, round_, outside)
+        return self._remember(manifest) if manifest is not None else None
+
+    def _follow(self, manifests: dict[str, dict], group: str, round_: int, fallback: frozenset[str]) -> Manifest:
         # A brief second look lets a lower-id leader's manifest that raced ours win everywhere.
         time.sleep(POLL_S * 2)
         manifests = self.control.manifests(group, round_) or manifests
-        manifest = _first_valid(manifests, group, round_)
+        manifest = self._pick(manifests, group, round_, fallback)
         if manifest is None:
-            raise CollectiveError(f"round {round_}: every manifest was malformed")
+            raise CollectiveError(f"round {round_}: every manifest that counts was malformed")
+        self._remember(manifest)
         if self.me not in manifest.members:
             raise NotInRound(f"round {round_}: this peer is not in the manifest (announced too late)", manifest)
         return manifest
@@ -185,9 +255,10 @@ def bounded_fan_in(run: str, group: str, round_: int, members: list[str], limit:
     return sorted(sorted(members, key=lambda peer: (key(peer), peer))[:limit])
 
 
-def _first_valid(manifests: dict[str, dict], group: str, round_: int) -> Manifest | None:
-    """The lowest-id writer's well-formed manifest for (group, round_): the one all readers follow."""
-    for writer in sorted(manifests or {}):
+def _first_valid(manifests: dict[str, dict], group: str, round_: int,
+                 order: list[str] | None = None) -> Manifest | None:
+    """The first well-formed manifest for (group, round_) in the writers' ``order`` (default: by id)."""
+    for writer in (sorted(manifests or {}) if order is None else order):
         try:
             manifest = Manifest.from_dict(manifests[writer])
         except (KeyError, TypeError, ValueError) as e:

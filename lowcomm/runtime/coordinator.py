@@ -1,8 +1,11 @@
 """The run owner's node: first DHT node, signed run config, join command, checkpoints of the global model.
 
 Training does not depend on it: peers sync among themselves, and the config record it published
-outlives it for `CONFIG_TTL_S`. It checkpoints by downloading state from a training peer every
-`checkpoint.every_rounds` rounds; with `--resume DIR` it serves a checkpoint's state to the peers
+outlives it for `CONFIG_TTL_S`. It follows the rounds (runtime.round_anchor.RoundFollower: the
+manifest chain and each round's agreed φ hash, signed as the round's anchor for joiners). It
+checkpoints by downloading state from a training peer every `checkpoint.every_rounds` rounds and
+keeps it only if its φ hashes to that round's anchor (else it refuses the state, a warning, and
+asks another peer next time); with `--resume DIR` it serves a checkpoint's state to the peers
 that join, and the run continues at that round. Its gRPC server answers peers' reachability checks
 (a Ping with a dial-back, transport.service), so a peer that joins always has someone to ask, the
 first one included.
@@ -18,12 +21,19 @@ import threading
 import time
 from pathlib import Path
 
+import torch
 from hivemind.utils import get_dht_time
+from safetensors.torch import load as st_load
 
+from lowcomm.algorithms.registry import PAIRS, algorithm
+from lowcomm.collectives.base import GroupKey
+from lowcomm.collectives.manifest import ManifestAgreement
 from lowcomm.config import RunConfig
+from lowcomm.models.factory import build_model
 from lowcomm.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from lowcomm.runtime.round_anchor import RoundFollower
 from lowcomm.runtime.run_config import publish_run_config
-from lowcomm.runtime.state_transfer import Snapshot, StateError, StateHolder, download_state
+from lowcomm.runtime.state_transfer import Snapshot, StateError, StateHolder, download_state, state_phi_hash
 from lowcomm.transport.addresses import grpc_endpoint
 from lowcomm.transport.control import ControlPlane, PeerRecord
 from lowcomm.transport.identity import Identity
@@ -49,6 +59,12 @@ class Coordinator:
         self.stop_requested = threading.Event()
         self.identity = Identity.load_or_create(self.run_dir / "coordinator.key")
         self.last_checkpoint_round = 0
+        self.follower: RoundFollower | None = None  # from the first loop on, for runs whose replicas share φ
+        self._first_round = 0
+        self.refused_checkpoints = 0  # downloaded states whose φ was not the round's agreed one
+        self._refused_sources: set[str] = set()  # not asked again until a checkpoint is kept
+        self._pending: tuple[Snapshot, str, float] | None = None  # (state, source, give up at): awaits its anchor
+        self._names: list[str] | None = None  # the model's parameter names, in its order (φ's hash)
         self.server = None  # the gRPC server, once started
         self.channels: Channels | None = None
 
@@ -91,6 +107,7 @@ class Coordinator:
             self.holder.publish(resumed)
             self.record.state, self.record.round = "holder", resumed.round
         self.control.publish_peer(self.record, self.config.sync.record_ttl_s)
+        self._first_round = resumed.round if resumed is not None else 0
         maddrs = self._join_maddrs()
         info = {"run": run, "maddrs": maddrs, "run_key": self.identity.public_key_text,
                 "endpoint": self.record.endpoint, "config_hash": self.config.config_hash(),
@@ -102,6 +119,18 @@ class Coordinator:
             tmp.write_text(json.dumps(info, indent=1))
             os.replace(tmp, self.ready_file)
         return info
+
+    def _follower(self, run: str, start: int) -> RoundFollower | None:
+        """The follower of the run's rounds; None where replicas hold their own φ (NoLoCo) or stages sync
+        apart (pipelines)."""
+        algo = algorithm(self.config.run.algo)
+        if self.config.pipelined or algo.exchange == PAIRS:
+            return None
+        sync = self.config.sync
+        agreement = ManifestAgreement(self.control, sync, endpoint="",
+                                      on_event=lambda kind, **fields: logger.info("%s %s", kind, fields))
+        return RoundFollower(self.control, agreement, GroupKey(run).group, settle_s=sync.announce_s,
+                             ttl=sync.record_ttl_s * 6, vote_every=algo.epoch_rounds(self.config), start=start)
 
     def _join_maddrs(self) -> list[str]:
         """The DHT's multiaddrs for the join command; an error saying what to pass when p2pd reports none."""
@@ -125,16 +154,30 @@ class Coordinator:
                     self.control.publish_run_name(ttl=RUN_NAME_TTL_S)
                     refresh_at = time.monotonic() + 60
                 self.control.publish_peer(self.record, self.config.sync.record_ttl_s)
+                self._follow_rounds()
                 self._maybe_checkpoint()
             except Exception as e:  # keep serving; a failed checkpoint is retried next time
                 logger.warning("coordinator loop: %s", e)
         self.shutdown()
 
+    def _follow_rounds(self) -> None:
+        if self.follower is None:
+            self.follower = self._follower(self.config.run.name, self._first_round)
+        if self.follower is None:
+            return
+        rounds = [r.round for r in self.control.live_peers().values() if r.state == "training"]
+        for anchor in self.follower.tick(max(rounds, default=0)):
+            logger.info("round %d: agreed φ hash %s of %d members", anchor.round, anchor.phi_hash, len(anchor.members))
+
     def _maybe_checkpoint(self) -> None:
         every = self.config.checkpoint.every_rounds
         if every <= 0 or self.config.pipelined:  # a pipeline's stages checkpoint themselves (runtime.stage_peer)
             return
-        trainers = [r for r in self.control.live_peers().values() if r.state == "training" and not r.client_mode]
+        if self._pending is not None:
+            self._keep_checked()
+            return
+        trainers = [r for r in self.control.live_peers().values() if r.state == "training" and not r.client_mode
+                    and r.peer_id not in self._refused_sources]
         due = [r for r in trainers if r.round >= self.last_checkpoint_round + every]
         if not due:
             return
@@ -150,10 +193,49 @@ class Coordinator:
         if snapshot.config_hash != self.config.config_hash():
             logger.warning("refused a checkpoint for another config from %s", source.peer_id)
             return
+        self._pending = (snapshot, source.peer_id, time.monotonic() + self.config.sync.announce_s + 10.0)
+        self._keep_checked()
+
+    def _keep_checked(self) -> None:
+        """Writes the pending state as a checkpoint once its φ is checked against its round's anchor;
+        refuses it when the hash differs, or when no anchor settles in time."""
+        snapshot, source, give_up = self._pending
+        anchor = self.follower.anchors.get(snapshot.round) if self.follower is not None else None
+        if self.follower is not None and anchor is None:
+            if time.monotonic() < give_up:
+                return  # the round may not be settled yet
+            self._pending = None
+            logger.warning("no agreed φ hash for round %d: its state from %s is not checkpointed", snapshot.round,
+                           source)
+            return
+        self._pending = None
+        if anchor is not None:
+            try:
+                held = state_phi_hash(st_load(snapshot.blob), self._model_names())
+            except Exception as e:  # a damaged blob: safetensors raises its own types
+                held = f"unreadable ({str(e)[:100]})"
+            if held != anchor.phi_hash:
+                self.refused_checkpoints += 1
+                self._refused_sources.add(source)
+                logger.warning("refused the state of round %d from %s: its φ hash %s is not the agreed %s",
+                               snapshot.round, source, held, anchor.phi_hash)
+                return
         path = save_checkpoint(self.run_dir / "checkpoints", snapshot, keep=self.config.checkpoint.keep,
                                config_json=self.config.to_json())
         self.last_checkpoint_round = snapshot.round
+        self._refused_sources.clear()
         logger.info("checkpoint of round %d written to %s", snapshot.round, path)
+
+    def _model_names(self) -> list[str]:
+        """The model's parameter names in its order (built once, without memory where torch allows)."""
+        if self._names is None:
+            try:
+                with torch.device("meta"):
+                    model = build_model(self.config.model)
+            except Exception:  # a factory model that cannot be built on the meta device
+                model = build_model(self.config.model)
+            self._names = [name for name, _ in model.named_parameters()]
+        return self._names
 
     def shutdown(self) -> None:
         """Stops the gRPC server and the channels (those started), then the DHT."""

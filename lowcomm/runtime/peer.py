@@ -102,7 +102,7 @@ class TrainingPeer:
             self.trainer.model, config, self.collective, self.key, self.trainer.tokens_per_step,
             self.trainer.optimizer, self.trainer.lr_schedule, lambda round_: agreement.read(self.key.group, round_),
             hooks))
-        self.state = StateSync(ctx, self.membership, self.replica, self.progress)
+        self.state = StateSync(ctx, self.membership, self.replica, self.progress, agreement)
         self.evaluation = Evaluation(self.trainer.evaluate, self.replica, self.progress, ctx.log,
                                      config.data.eval_every_tokens, config.run.steps)
         # wall seconds the training loop spent outside compute: in its syncs (codec work, the network,
@@ -257,6 +257,7 @@ class TrainingPeer:
         round_ = info["round"]
         self._drift_hook(round_)
         p.last_members = frozenset(result.participants)
+        p.last_contributors = frozenset(result.contributors)  # the drift check's voters
         # NoLoCo: every member of the round trained, though only the group's tokens are in this update
         tokens = info["weight"] * info.get("trained_members", len(result.contributors))
         p.tokens_global += tokens

@@ -10,7 +10,8 @@ class Progress:
     step: int = 0  # inner steps of the global schedule this replica stands at
     steps_done: int = 0  # inner steps this process computed
     tokens_global: int = 0  # tokens in the global model (every contributor's)
-    last_members: frozenset[str] = field(default_factory=frozenset)  # of the last round applied: the drift check
+    last_members: frozenset[str] = field(default_factory=frozenset)  # of the last round applied
+    last_contributors: frozenset[str] = field(default_factory=frozenset)  # of the last round applied: φ's voters
     pending_eval: tuple[int, bool] | None = None  # (tokens added, led a round) since the last evaluation check
 
     def eval_due(self, tokens: float = 0, leader: bool = False) -> None:

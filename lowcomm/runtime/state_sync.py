@@ -3,45 +3,57 @@
 A joiner waits for the next round boundary and downloads that round's state from the peer with
 the newest round, so it contributes from that round on and trains from the current global model,
 never from scratch. After every round the peer publishes sha256(φ) and a snapshot; a peer whose
-hash disagrees with the majority (`drift_sources`) resyncs from a peer of the majority.
+hash disagrees with the one agreed by the last round's contributors (`drift_sources`; votes from
+anyone else are ignored) resyncs from a contributor that holds it.
+
+Downloaded state is used only if its φ hashes to the round's agreed hash (runtime.round_anchor:
+the coordinator's signed anchor, or without a coordinator the majority of the round's votes);
+a state that does not is refused (`state_error` and `reject` events) and another source tried.
+A joiner also learns from the anchor who the previous round's members were, the only peers whose
+next manifest it follows (collectives.manifest).
 """
 
 from __future__ import annotations
 
 import random
 import time
-from collections import Counter
 
 from lowcomm.algorithms.base import Replica
+from lowcomm.collectives.manifest import ManifestAgreement
 from lowcomm.runtime.context import PeerContext
 from lowcomm.runtime.membership import Membership
 from lowcomm.runtime.progress import Progress
-from lowcomm.runtime.state_transfer import StateError, decode_state, download_state, encode_state
+from lowcomm.runtime.round_anchor import Anchor, agreed_hash, read_anchor
+from lowcomm.runtime.state_transfer import StateError, decode_state, download_state, encode_state, state_phi_hash
 
 MAX_STATE_BYTES = 8 << 30
 FETCH_DEADLINE_S = 600.0
+ANCHOR_SLACK_S = 5.0  # beyond sync.announce_s, how long a download waits for the coordinator's anchor
 
 
-def drift_sources(hashes: dict[str, str], me: str) -> list[str] | None:
-    """The peers to resync from when my φ hash of a round is not the agreed one; None when it is.
+def drift_sources(hashes: dict[str, str], me: str, voters=None) -> list[str] | None:
+    """The voters to resync from when my φ hash of a round is not the agreed one; None when it is.
 
-    The agreed hash is the one most of the (at least 3) peers published. A tie goes to the hash the
-    smallest peer id holds, so every peer that reads the same hashes settles a split the same way:
-    without it a 2-2 split had no majority to follow and stayed split for the rest of the run.
+    Only the hashes of ``voters`` (the last round's contributors; None: every hash) count. The agreed
+    hash is the one most of them (at least 3) published; a tie goes to the hash the smallest voter id
+    holds (round_anchor.agreed_hash), so every peer that reads the same hashes settles a split the
+    same way: without it a 2-2 split had no majority to follow and stayed split for the rest of the run.
     """
-    if len(hashes) < 3 or me not in hashes:
+    votes = hashes if voters is None else {p: h for p, h in hashes.items() if p in voters}
+    if len(votes) < 3 or me not in hashes:
         return None
-    votes = Counter(hashes.values())
-    most = max(votes.values())
-    agreed = hashes[min(p for p, h in hashes.items() if votes[h] == most)]
+    agreed = agreed_hash(votes)
     if hashes[me] == agreed:
         return None
-    return sorted(p for p, h in hashes.items() if h == agreed)
+    return sorted(p for p, h in votes.items() if h == agreed)
 
 
 class StateSync:
-    def __init__(self, ctx: PeerContext, membership: Membership, replica: Replica, progress: Progress):
+    def __init__(self, ctx: PeerContext, membership: Membership, replica: Replica, progress: Progress,
+                 agreement: ManifestAgreement | None = None):
+        """``agreement``: the replica's manifest agreement, told the previous members a download's anchor names."""
         self.ctx, self.membership, self.replica, self.progress = ctx, membership, replica, progress
+        self.agreement = agreement
         self.config = ctx.config
 
     def round_boundary_for(self, completed: int) -> int:
@@ -70,10 +82,11 @@ class StateSync:
         ctx, me = self.ctx, self.ctx.me
         deadline = time.monotonic() + FETCH_DEADLINE_S
         empty_since = None
+        refused: set[str] = set()  # sources whose state was refused: another one is tried
         while time.monotonic() < deadline and not ctx.stop.is_set():
             everyone = ctx.control.live_peers()
             records = [r for p, r in everyone.items()
-                       if p != me and r.state in ("training", "holder") and not r.client_mode]
+                       if p != me and r.state in ("training", "holder") and not r.client_mode and p not in refused]
             trainers = [r for r in records if r.state == "training"]
             if not records:
                 # A fresh DHT node may not see records yet: only call ourselves first once the
@@ -98,23 +111,38 @@ class StateSync:
                 source = max(records, key=lambda r: r.round)
                 target = max(min_round or 0, source.round)
             self.membership.set(state="joining", round=target)
-            if self._load_from(source, target):
+            loaded = self._load_from(source, target)
+            if loaded:
                 return True
+            if loaded is False:
+                refused.add(source.peer_id)
         return False
 
-    def _load_from(self, source, target: int) -> bool:
+    def _load_from(self, source, target: int) -> bool | None:
+        """True: loaded; False: the source's state was refused (its φ is not the agreed one); None: no state."""
         ctx, replica = self.ctx, self.replica
         try:
             state = download_state(ctx.channels, ctx.traffic, source.endpoint, ctx.options.run_name, ctx.me,
                                    target, wait_s=120.0, timeout=60.0, max_bytes=MAX_STATE_BYTES)
             if state.config_hash != self.config.config_hash():
                 raise StateError(f"state is for config {state.config_hash}, this run is {self.config.config_hash()}")
+            if int(state.round) < target:
+                raise StateError(f"state of round {state.round}, below the requested {target}")
             tensors = decode_state(state.data, replica.expected_shapes())
         except StateError as e:
             ctx.log.event("state_error", source=source.peer_id, error=str(e)[:200])
+            return None
+        try:
+            anchor = self._check(tensors, int(state.round), source.peer_id)
+        except StateError as e:
+            ctx.log.event("state_error", source=source.peer_id, error=str(e)[:200])
+            ctx.log.event("reject", sender=source.peer_id, round=int(state.round), reason=str(e)[:200])
             return False
         replica.load_state_tensors(tensors)
+        if anchor is not None and self.agreement is not None:
+            self.agreement.learn(replica.key.group, anchor.round - 1, anchor.members)
         self.progress.last_members = frozenset()
+        self.progress.last_contributors = frozenset()
         self.progress.tokens_global = int(state.tokens)
         self.progress.step = self.config.step_after_rounds(int(state.round))
         # the overlap: the round in flight when the state was taken lands at our first sync
@@ -124,6 +152,34 @@ class StateSync:
         self.publish_snapshot()
         ctx.log.event("state_received", source=source.peer_id, round=replica.round, phi_hash=replica.phi_hash())
         return True
+
+    def _check(self, tensors, round_: int, source: str) -> Anchor | None:
+        """Raises StateError unless the state's φ is round ``round_``'s agreed one; the anchor it was
+        checked against (None: the coordinator's own state, or the fallback of every vote)."""
+        if not self.replica.shared_phi or source == self.ctx.service.checkpointer:
+            return None  # replicas that hold their own φ (NoLoCo); a checkpoint the coordinator serves
+        anchor, agreed = self._agreed(round_)
+        if agreed is None:
+            raise StateError(f"no agreed φ hash for round {round_} to check the state against")
+        held = state_phi_hash(tensors, self.replica.names)
+        if held != agreed:
+            raise StateError(f"state's φ hash {held} is not round {round_}'s agreed {agreed}")
+        return anchor
+
+    def _agreed(self, round_: int) -> tuple[Anchor | None, str | None]:
+        """Round ``round_``'s agreed φ hash: the coordinator's anchor while the coordinator is in the run
+        (waited for up to announce_s + ANCHOR_SLACK_S), else the majority of every vote (no sybil defence)."""
+        ctx, group = self.ctx, self.replica.key.group
+        coordinator = ctx.service.checkpointer
+        deadline = time.monotonic() + self.config.sync.announce_s + ANCHOR_SLACK_S
+        while coordinator is not None and coordinator in ctx.control.live_peers():
+            anchor = read_anchor(ctx.control, coordinator, group, round_)
+            if anchor is not None:
+                return anchor, anchor.phi_hash
+            if time.monotonic() >= deadline or ctx.stop.wait(0.2):
+                return None, None
+        ctx.log.event("unanchored", round=round_, reason="no coordinator: the majority of every vote")
+        return None, agreed_hash(ctx.control.phi_hashes(group, round_))
 
     def resync(self, reason: str, sources: list[str] | None = None) -> None:
         """Drops this peer's state for a newer one; `sources`: the peers to take it from where they can."""
@@ -148,23 +204,27 @@ class StateSync:
         self.progress.eval_due()  # its final evaluation is still due
 
     def drift_check(self, round_: int) -> bool:
-        """A peer whose φ hash of round `round_` is not the agreed one (`drift_sources`) resyncs from a
-        peer that holds it. The verdict waits (up to announce_s) for the hash of every member of the
-        last round this peer applied, and without them all is left to the next check: a verdict on part
-        of the hashes could follow a minority.
+        """A peer whose φ hash of round `round_` is not the one the contributors of the last round it
+        applied agreed on (`drift_sources`) resyncs from a contributor that holds it. Nobody else's
+        hash counts; a peer that applied no round since its state was downloaded (checked against the
+        agreed hash then) has no voters and no verdict. The verdict waits (up to announce_s) for every
+        voter's hash, and without them all is left to the next check: a verdict on part of the hashes
+        could follow a minority.
 
         True when it resynced: the caller's round is then behind this peer and must not run.
         """
-        control, group, members = self.ctx.control, self.replica.key.group, self.progress.last_members
+        control, group, voters = self.ctx.control, self.replica.key.group, self.progress.last_contributors
+        if not voters:
+            return False
         deadline = time.monotonic() + self.config.sync.announce_s
         hashes = control.phi_hashes(group, round_)
-        while not members <= hashes.keys() and time.monotonic() < deadline:
+        while not voters <= hashes.keys() and time.monotonic() < deadline:
             if self.ctx.stop.wait(0.2):
                 return False
             hashes = control.phi_hashes(group, round_)
-        if not members <= hashes.keys():
+        if not voters <= hashes.keys():
             return False
-        sources = drift_sources(hashes, self.ctx.me)
+        sources = drift_sources(hashes, self.ctx.me, voters)
         if sources is None:
             return False
         self.resync(f"φ hash of round {round_} disagrees with {len(sources)} of {len(hashes)} peers", sources)

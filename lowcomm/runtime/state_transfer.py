@@ -4,7 +4,8 @@ A holder keeps one snapshot (round, blob); a request may ask for a minimum round
 holder to get there, so a joiner can start exactly at a round boundary. That wait lasts at most
 `MAX_STATE_WAIT_S` and ends when the caller's call does. Received state is checked
 against the model's expected tensor names and shapes, dtype float32 and finiteness before any of it
-touches the model.
+touches the model; its φ is checked against the run's agreed hash (`state_phi_hash`) by whoever
+loads or keeps it (runtime.state_sync, runtime.coordinator).
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from lowcomm.algorithms.state import tensors_hash
 from lowcomm.proto import wire_pb2
 from lowcomm.transport.wire import Channels, Traffic, WireError, assemble, slices
 
 
+PHI_PREFIXES = ("phi.", "param.")  # φ of the round-based algorithms; the parameters of ddp and DeMo
 MAX_STATE_WAIT_S = 120.0  # the longest a GetState call waits for the requested round
 WAIT_SLICE_S = 1.0  # a waiting server thread looks at its call's state at least this often
 
@@ -63,6 +66,18 @@ def decode_state(blob: bytes, expected: dict[str, tuple[int, ...]]) -> dict[str,
         if not torch.isfinite(tensor).all():
             raise StateError(f"state tensor {name} contains NaN or Inf")
     return tensors
+
+
+def state_phi_hash(tensors: dict[str, torch.Tensor], names: list[str]) -> str:
+    """The φ hash (`Replica.phi_hash`: algorithms.state.tensors_hash) of a state's global parameters:
+    `phi.<name>`, else `param.<name>`, for each model parameter ``names`` in the model's order.
+
+    The order comes from the model, never from the state: a sender that relabels two tensors of one
+    shape cannot make their bytes hash as the agreed φ."""
+    for prefix in PHI_PREFIXES:
+        if all(prefix + name in tensors for name in names):
+            return tensors_hash(tensors[prefix + name] for name in names)
+    raise StateError(f"state holds no complete set of global parameters ({' or '.join(PHI_PREFIXES)}<name>)")
 
 
 class StateHolder:

@@ -1,0 +1,125 @@
+"""Who counts for φ: the agreed hash of a round, and the coordinator's signed anchor of it.
+
+Round R's agreed hash (φ once round R − 1 is applied) is the hash most of round R − 1's voters
+published; a tie goes to the hash of the smallest voter id (`agreed_hash`), so every reader settles
+a split the same way. Votes from anyone else are ignored: an outsider with any number of fresh keys
+cannot move it.
+
+- A training peer's voters are the contributors of the last round it applied (runtime.state_sync).
+- A peer that knows no previous round (a joiner, a peer resyncing) and the coordinator's
+  checkpointer take the hash from the **anchor**: the coordinator, whose key signed the run config,
+  follows the manifests as every peer does (collectives.manifest: each counts only from a member
+  of the previous one) and, once every member of the manifest covering round R − 1 voted (or
+  `settle_s` passed), signs {R, the agreed hash of those members' votes, those members} under
+  `<run>.anchor.<group>.<R>` (`RoundFollower`).
+- With no coordinator in the run, a joiner falls back to the majority of every vote published for
+  the round (`agreed_hash` over all of them): that fallback is not defended against sybils.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+from lowcomm.collectives.manifest import ManifestAgreement
+from lowcomm.transport.control import ControlPlane
+
+logger = logging.getLogger(__name__)
+WALK_BUDGET = 64  # manifests the follower reads per tick at most
+KEPT_ANCHORS = 256  # the newest anchors the coordinator keeps in memory
+
+
+@dataclass(frozen=True)
+class Anchor:
+    round: int  # φ once round - 1 is applied
+    phi_hash: str
+    members: tuple[str, ...]  # the members of the manifest covering round - 1: the voters
+
+
+def agreed_hash(votes: dict[str, str]) -> str | None:
+    """The hash most of ``votes`` (voter -> hash) hold; a tie goes to the smallest voter id's. None: no vote."""
+    if not votes:
+        return None
+    counts = Counter(votes.values())
+    most = max(counts.values())
+    return votes[min(p for p, h in votes.items() if counts[h] == most)]
+
+
+def _key(control: ControlPlane, group: str, round_: int) -> str:
+    return f"{control.run}.anchor.{group}.{round_}"
+
+
+def publish_anchor(control: ControlPlane, group: str, anchor: Anchor, ttl: float) -> None:
+    control._store(_key(control, group, anchor.round), {"peer_id": control.identity.peer_id, "round": anchor.round,
+                                                        "phi_hash": anchor.phi_hash,
+                                                        "members": list(anchor.members)}, ttl)
+
+
+def read_anchor(control: ControlPlane, coordinator: str, group: str, round_: int) -> Anchor | None:
+    """The anchor of ``round_`` signed by ``coordinator``'s key (any other signer's is ignored); None if none."""
+    value = control._read(_key(control, group, round_)).get(coordinator)
+    if value is None:
+        return None
+    phi_hash, members = value.get("phi_hash"), value.get("members")
+    if (value.get("round") != round_ or not isinstance(phi_hash, str) or not isinstance(members, list)
+            or not all(isinstance(m, str) for m in members)):
+        logger.warning("ignored a malformed anchor for round %d", round_)
+        return None
+    return Anchor(round_, phi_hash, tuple(members))
+
+
+class RoundFollower:
+    """The coordinator's view of one group's rounds: the manifest chain and each round's agreed hash.
+
+    ``vote_every``: the rounds whose φ hash peers publish are its multiples (ddp and DeMo vote at
+    membership epochs). ``tick(newest)`` reads the manifests up to round ``newest`` - 1 (``newest``:
+    the highest round a training peer's record holds) and settles the rounds up to ``newest``.
+    """
+
+    def __init__(self, control: ControlPlane, agreement: ManifestAgreement, group: str, settle_s: float,
+                 ttl: float, vote_every: int = 1, start: int = 0):
+        self.control, self.agreement, self.group = control, agreement, group
+        self.settle_s, self.ttl, self.vote_every = settle_s, ttl, max(1, vote_every)
+        self.next_manifest = start  # the next round whose manifest to read
+        self.next_vote = start + 1  # the next round to settle
+        self.anchors: dict[int, Anchor] = {}
+        self._first_seen: dict[int, float] = {}
+
+    def tick(self, newest: int) -> list[Anchor]:
+        self._walk(newest)
+        return self._settle(newest)
+
+    def _walk(self, newest: int) -> None:
+        for _ in range(WALK_BUDGET):
+            round_ = self.next_manifest
+            if round_ >= newest:
+                return
+            passed = newest > round_ + 1  # the run is past it: a manifest of it is written, if it has one
+            if self.agreement.read(self.group, round_, fallback=passed) is None and not passed:
+                return  # not written yet
+            self.next_manifest = round_ + 1  # none at all: a round inside an epoch, or one that failed
+
+    def _settle(self, newest: int) -> list[Anchor]:
+        settled = []
+        while self.next_vote <= newest and self.next_manifest >= self.next_vote:
+            round_ = self.next_vote
+            if round_ % self.vote_every:
+                self.next_vote += 1
+                continue
+            members = self.agreement.trusted(self.group, round_)  # those of the newest manifest before it
+            votes = {p: h for p, h in self.control.phi_hashes(self.group, round_).items() if p in (members or ())}
+            first = self._first_seen.setdefault(round_, time.monotonic())
+            if members is not None and not members <= votes.keys() and time.monotonic() - first < self.settle_s:
+                return settled  # a member's vote may still come
+            self._first_seen.pop(round_, None)
+            self.next_vote += 1
+            if votes:
+                anchor = Anchor(round_, agreed_hash(votes), tuple(sorted(members)))
+                publish_anchor(self.control, self.group, anchor, self.ttl)
+                self.anchors[round_] = anchor
+                settled.append(anchor)
+        for old in sorted(self.anchors)[:-KEPT_ANCHORS]:
+            del self.anchors[old]
+        return settled

@@ -1,0 +1,305 @@
+"""Who counts (docs/round-protocol.md, Decision 25): a manifest only from a member of the previous one,
+φ votes only from the last round's contributors, downloaded state only if its φ is the agreed one.
+
+Outsiders are fresh keys with the lowest ids: pre-published manifests naming themselves the only
+owner, sybil φ votes, a "training" record serving a state of their own. Everything runs in this
+process over an in-memory control plane; the reduce runs over real gRPC on loopback
+(test_sharded_reduce's nodes).
+"""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load as st_load
+
+from lowcomm.algorithms.base import ReplicaSpec
+from lowcomm.algorithms.registry import algorithm
+from lowcomm.algorithms.state import tensors_hash
+from lowcomm.collectives.base import GroupKey
+from lowcomm.collectives.config import SyncConfig
+from lowcomm.collectives.manifest import Manifest, ManifestAgreement
+from lowcomm.config import RunConfig
+from lowcomm.models.factory import build_model
+from lowcomm.runtime.coordinator import Coordinator
+from lowcomm.runtime.progress import Progress
+from lowcomm.runtime.round_anchor import Anchor, RoundFollower, publish_anchor
+from lowcomm.runtime.state_sync import StateSync
+from lowcomm.runtime.state_transfer import encode_state, state_phi_hash
+from lowcomm.transport.control import PeerRecord
+from unit.test_sharded_reduce import KEY, WAIT_S, Board, nodes, payload  # noqa: F401 (nodes: the fixture)
+
+OUTSIDER = "0000000000"  # a fresh key's id below every peer's
+SYBILS = [f"000000000{i}" for i in range(1, 5)]
+SYNC = SyncConfig(announce_s=0.5, manifest_s=0.3)
+
+
+class MemoryControl:
+    """The control plane's records in one dict shared by every writer (the DHT), each under its writer."""
+
+    def __init__(self, me: str, store: dict, live: dict[str, PeerRecord], run: str = "run"):
+        self.run, self.store, self.live = run, store, live
+        self.identity = SimpleNamespace(peer_id=me)
+
+    def _put(self, key, value):
+        self.store.setdefault(key, {})[self.identity.peer_id] = value
+
+    def announce(self, group, round_, info, ttl):
+        self._put(("announce", group, round_), dict(info))
+
+    def announcers(self, group, round_):
+        return {p: dict(v) for p, v in self.store.get(("announce", group, round_), {}).items() if not v.get("gone")}
+
+    def live_peers(self):
+        return dict(self.live)
+
+    def publish_manifest(self, group, round_, manifest, ttl):
+        self._put(("manifest", group, round_), manifest)
+
+    def manifests(self, group, round_):
+        return dict(self.store.get(("manifest", group, round_), {}))
+
+    def publish_phi_hash(self, group, round_, phi_hash, ttl):
+        self._put(("phi", group, round_), phi_hash)
+
+    def phi_hashes(self, group, round_):
+        return dict(self.store.get(("phi", group, round_), {}))
+
+    def _store(self, key, value, ttl):
+        self._put(key, value)
+
+    def _read(self, key):
+        return dict(self.store.get(key, {}))
+
+
+def outsider_manifest(group: str, round_: int, members: list[str]) -> dict:
+    """A stranger's manifest for ``round_``: the peers as members, itself the only owner (unreachable)."""
+    members = sorted({OUTSIDER, *members})
+    endpoints = {p: "127.0.0.1:1" if p == OUTSIDER else f"{p}:1" for p in members}
+    return Manifest("run", group, round_, 1, OUTSIDER, members, endpoints, [OUTSIDER], "fp32").to_dict()
+
+
+def followed(agreement: ManifestAgreement, group: str, round_: int, members: list[str]) -> None:
+    """As if ``agreement`` had followed the manifest of ``round_`` with these members."""
+    agreement.learn(group, round_, members)
+
+
+def test_an_outsiders_manifest_for_a_future_round_is_refused_and_a_member_leads():
+    store = {}
+    ids = ["a", "b", "c"]
+    live = {p: PeerRecord(p, f"{p}:1", state="training", round=5) for p in ids}
+    events = []
+    agreements = [ManifestAgreement(MemoryControl(p, store, live), SYNC, f"{p}:1",
+                                    on_event=lambda kind, **f: events.append((kind, f))) for p in ids]
+    for agreement in agreements:
+        followed(agreement, "0-0", 4, ids)
+    MemoryControl(OUTSIDER, store, live).publish_manifest("0-0", 5, outsider_manifest("0-0", 5, ids), 60)
+    results = [None] * 3
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, agreements[i].agree("0-0", 5, 1, "fp32")))
+               for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT_S)
+    assert all(m is not None and m.leader == "a" and m.owners == ids for m in results)
+    assert any(kind == "reject" and f["sender"] == OUTSIDER for kind, f in events)
+    assert all(a.refused_writers >= 1 for a in agreements)
+    assert agreements[1].read("0-0", 5).leader == "a"  # a reader that knows round 4 agrees
+
+
+def test_a_newcomer_leads_only_once_every_previous_member_had_its_turn():
+    store = {}
+    live = {"b": PeerRecord("b", "b:1", state="training", round=5)}
+    b = ManifestAgreement(MemoryControl("b", store, live), SYNC, "b:1")
+    followed(b, "0-0", 4, ["a", "c"])  # b joined since: every previous member is gone
+    manifest = b.agree("0-0", 5, 1, "fp32")  # nobody trusted announced: b's own turn comes at once
+    assert manifest.leader == "b" and manifest.members == ["b"]
+    assert b.trusted("0-0", 6) == frozenset({"b"})
+
+
+def test_outsider_manifests_leave_the_reduce_and_phi_unchanged(nodes):
+    store, members = {}, nodes[:3]
+    ids = [n.id for n in members]
+    live = {p: PeerRecord(p, f"{p}:1", state="training", round=7) for p in ids}
+    board = Board(KEY.run, set(ids))
+    reduces = []
+    for node in members:
+        reduce = node.reduce(board)
+        reduce.agreement = ManifestAgreement(MemoryControl(node.id, store, live, KEY.run), SYNC, node.endpoint)
+        followed(reduce.agreement, KEY.group, 6, ids)
+        reduces.append(reduce)
+    for round_ in (7, 8):  # pre-published for the rounds ahead
+        MemoryControl(OUTSIDER, store, live).publish_manifest(KEY.group, round_, outsider_manifest(KEY.group, round_, ids),
+                                                              60)
+    payloads = [payload(i) for i in range(3)]
+    expected = sum(payloads) / 3
+    for round_ in (7, 8):
+        results = [h.result(WAIT_S) for h in [r.start(KEY, round_, p, 1.0) for r, p in zip(reduces, payloads)]]
+        for result in results:
+            assert result.contributors == ids and result.info["leader"] == ids[0]
+            assert result.info["lost_shards"] == []
+            torch.testing.assert_close(result.aggregate, expected, rtol=1e-6, atol=1e-6)
+
+
+# ---- φ votes ---------------------------------------------------------------------------------
+
+
+class FakeReplica:
+    """One global tensor φ = ``phi.w`` (4 floats), as a DiLoCo replica holds it."""
+
+    shared_phi, per_step = True, False
+
+    def __init__(self, value: float = 0.0):
+        self.w = torch.full((4,), value)
+        self.names = ["w"]
+        self.key = SimpleNamespace(group="0-0")
+        self.round = 5
+        self.collective = SimpleNamespace(end_epoch=lambda key: None)
+
+    def phi_hash(self):
+        return tensors_hash([self.w])
+
+    def state_tensors(self):
+        return {"phi.w": self.w.clone(), "momentum.w": torch.zeros(4)}
+
+    def expected_shapes(self):
+        return {"phi.w": (4,), "momentum.w": (4,)}
+
+    def load_state_tensors(self, tensors):
+        self.w = tensors["phi.w"].clone()
+
+    def enter(self, round_, wait_s=0.0):
+        self.round = round_
+        return True
+
+
+def state_sync(me: str, store: dict, live: dict, replica=None, agreement=None):
+    events = []
+    config = RunConfig()
+    config.sync.announce_s = 0.5
+    ctx = SimpleNamespace(me=me, control=MemoryControl(me, store, live), stop=threading.Event(), config=config,
+                          log=SimpleNamespace(event=lambda kind, **f: events.append((kind, f))),
+                          service=SimpleNamespace(checkpointer="coord"), options=SimpleNamespace(run_name="run"),
+                          channels=None, traffic=None, holder=SimpleNamespace(publish=lambda snapshot: None))
+    membership = SimpleNamespace(set=lambda **fields: None)
+    return StateSync(ctx, membership, replica or FakeReplica(), Progress(), agreement), events
+
+
+def test_sybil_votes_from_fresh_keys_trigger_no_resync():
+    store, live = {}, {}
+    sync, _ = state_sync("me", store, live)
+    sync.progress.last_members = sync.progress.last_contributors = frozenset({"a", "b", "me"})
+    for peer in ("a", "b", "me"):
+        MemoryControl(peer, store, live).publish_phi_hash("0-0", 6, "honest", 60)
+    for sybil in SYBILS:
+        MemoryControl(sybil, store, live).publish_phi_hash("0-0", 6, "attacker", 60)
+    resyncs = []
+    sync.resync = lambda reason, sources=None: resyncs.append(sources)
+    assert sync.drift_check(6) is False and resyncs == []
+    MemoryControl("me", store, live).publish_phi_hash("0-0", 7, "drifted", 60)  # a real drift still resyncs
+    for peer in ("a", "b"):
+        MemoryControl(peer, store, live).publish_phi_hash("0-0", 7, "honest", 60)
+    MemoryControl("c", store, live).publish_phi_hash("0-0", 7, "honest", 60)
+    sync.progress.last_contributors = frozenset({"a", "b", "c", "me"})
+    assert sync.drift_check(7) is True and resyncs == [["a", "b", "c"]]
+
+
+def test_the_follower_anchors_the_members_hash_whatever_outsiders_publish():
+    store = {}
+    ids = ["a", "b", "c"]
+    live = {p: PeerRecord(p, f"{p}:1", state="training", round=2) for p in ids}
+    coordinator = MemoryControl("coord", store, live)
+    follower = RoundFollower(coordinator, ManifestAgreement(coordinator, SYNC, ""), "0-0", settle_s=5.0, ttl=60)
+    honest = Manifest("run", "0-0", 0, 1, "a", ids, {p: f"{p}:1" for p in ids}, ids, "fp32").to_dict()
+    MemoryControl("a", store, live).publish_manifest("0-0", 0, honest, 60)
+    MemoryControl(OUTSIDER, store, live).publish_manifest("0-0", 1, outsider_manifest("0-0", 1, SYBILS), 60)
+    MemoryControl("b", store, live).publish_manifest("0-0", 1, {**honest, "round": 1, "leader": "b"}, 60)
+    for round_ in (1, 2):
+        for peer in ids:
+            MemoryControl(peer, store, live).publish_phi_hash("0-0", round_, f"honest-{round_}", 60)
+        for sybil in SYBILS:
+            MemoryControl(sybil, store, live).publish_phi_hash("0-0", round_, "attacker", 60)
+    anchors = follower.tick(2)
+    assert [(a.round, a.phi_hash, a.members) for a in anchors] == [(1, "honest-1", tuple(ids)),
+                                                                   (2, "honest-2", tuple(ids))]
+    assert follower.agreement.refused_writers == 1  # the outsider's manifest of round 1
+
+
+# ---- downloaded state --------------------------------------------------------------------------
+
+
+def served(value: float, round_: int, config: RunConfig):
+    """A GetState reply (StateChunk's fields) holding φ = ``value``, labelled with an honest φ hash."""
+    replica = FakeReplica(value)
+    snapshot = encode_state(replica.state_tensors(), round_, 0, config.config_hash(), "claimed")
+    return SimpleNamespace(round=round_, tokens=0, config_hash=config.config_hash(), phi_hash="claimed",
+                           data=snapshot.blob)
+
+
+def test_a_source_whose_state_is_not_the_agreed_phi_is_refused_and_another_used(monkeypatch):
+    store = {}
+    live = {"coord": PeerRecord("coord", "coord:1", state="coordinator"),
+            "bad": PeerRecord("bad", "bad:1", state="training", round=5),
+            "good": PeerRecord("good", "good:1", state="training", round=5)}  # both serve round 6 next
+    agreement = ManifestAgreement(MemoryControl("me", store, live), SYNC, "me:1")
+    sync, events = state_sync("me", store, live, agreement=agreement)
+    publish_anchor(MemoryControl("coord", store, live), "0-0", Anchor(6, FakeReplica(1.0).phi_hash(), ("a", "good")),
+                   60)
+    values = {"bad:1": 666.0, "good:1": 1.0}
+    monkeypatch.setattr("lowcomm.runtime.state_sync.FETCH_DEADLINE_S", 30.0)
+    monkeypatch.setattr("lowcomm.runtime.state_sync.download_state",
+                        lambda channels, traffic, endpoint, run, me, target, **kw: served(values[endpoint], 6,
+                                                                                          sync.config))
+    assert sync.fetch(min_round=6, prefer=["bad"])
+    assert torch.equal(sync.replica.w, torch.full((4,), 1.0))
+    kinds = [(kind, f.get("source") or f.get("sender")) for kind, f in events]
+    assert ("reject", "bad") in kinds and ("state_received", "good") in kinds
+    assert ("state_received", "bad") not in kinds
+    assert agreement.trusted("0-0", 6) == frozenset({"a", "good"})  # the anchor's members lead round 6
+
+
+def test_the_state_hash_is_the_replicas_own_phi_hash():
+    model = build_model(RunConfig().model)
+    for name in ("diloco", "ddp", "demo", "sparseloco"):
+        config = RunConfig()
+        replica = algorithm(name).replica(ReplicaSpec(model, config, None, GroupKey("r"),
+                                                      optimizer=torch.optim.AdamW(model.parameters())))
+        assert state_phi_hash(replica.state_tensors(), replica.names) == replica.phi_hash(), name
+
+
+def test_the_coordinator_refuses_to_checkpoint_a_state_that_is_not_the_agreed_phi(tmp_path, monkeypatch):
+    config = RunConfig()
+    config.checkpoint.every_rounds = 2
+    names = [n for n, _ in build_model(config.model).named_parameters()]
+    shapes = {n: tuple(p.shape) for n, p in build_model(config.model).named_parameters()}
+
+    def state(value: float) -> bytes:
+        tensors = {f"phi.{n}": torch.full(s, value) for n, s in shapes.items()}
+        return encode_state(tensors, 4, 0, config.config_hash(), "claimed").blob
+
+    blobs = {"bad:1": state(666.0), "good:1": state(1.0)}
+    agreed = state_phi_hash(st_load(blobs["good:1"]), names)
+    live = {"bad": PeerRecord("bad", "bad:1", state="training", round=5),  # the newest: asked first
+            "good": PeerRecord("good", "good:1", state="training", round=4)}
+    coordinator = Coordinator(config, tmp_path)
+    coordinator.control = MemoryControl("coord", {}, live)
+    coordinator.channels = coordinator.traffic = None
+    coordinator.follower = SimpleNamespace(anchors={4: Anchor(4, agreed, ("bad", "good"))})
+    asked = []
+
+    def download(channels, traffic, endpoint, run, me, target, **kw):
+        asked.append(endpoint)
+        return SimpleNamespace(round=4, tokens=0, config_hash=config.config_hash(), phi_hash=agreed,
+                               data=blobs[endpoint])
+
+    monkeypatch.setattr("lowcomm.runtime.coordinator.download_state", download)
+    coordinator._maybe_checkpoint()
+    assert asked == ["bad:1"] and coordinator.refused_checkpoints == 1
+    assert not list((tmp_path / "checkpoints").glob("round-*"))
+    coordinator._maybe_checkpoint()
+    assert asked == ["bad:1", "good:1"]
+    saved = list((tmp_path / "checkpoints").glob("round-*"))
+    assert len(saved) == 1 and state_phi_hash(st_load((saved[0] / "state.safetensors").read_bytes()), names) == agreed
