@@ -141,8 +141,11 @@ class LowcommWorker:
         from lowcomm.transport.service import PeerService
         from lowcomm.transport.wire import Channels, Traffic, start_server
 
+        from lowcomm.transport.signing import Signer
+
         identity = Identity.generate()
         self.me = identity.peer_id
+        self.signer = Signer(identity)
         # a round of 256 MB at N=8 takes ~40 s on this link: the default 20 s would cut contributions
         self.sync = SyncConfig(zstd_level=args.zstd_level, reduce_timeout_s=args.reduce_timeout_s)
         self.control = ControlPlane.start(identity, "sync", initial_peers=initial_peers, host=args.control_host)
@@ -162,7 +165,7 @@ class LowcommWorker:
 
     def make_collective(self, args, service, agreement):
         from lowcomm.collectives.sharded_reduce import ShardedReduce
-        return ShardedReduce(self.me, service, self.channels, self.traffic, agreement, self.sync,
+        return ShardedReduce(self.signer, service, self.channels, self.traffic, agreement, self.sync,
                              "fp32", epoch_rounds=args.epoch_rounds)
 
     def _beat(self) -> None:
@@ -214,7 +217,7 @@ class PairWorker(LowcommWorker):
         from lowcomm.collectives.pair_exchange import PairExchange
         self.half = args.numel // 2
         shapes = [(self.half,), (args.numel - self.half,)]
-        return PairExchange(self.me, service, self.channels, self.traffic, agreement, self.sync, "fp32", shapes,
+        return PairExchange(self.signer, service, self.channels, self.traffic, agreement, self.sync, "fp32", shapes,
                             lambda run, round_, members: group_of(run, round_, members, 2))
 
     def average(self, round_: int) -> tuple[torch.Tensor, dict]:

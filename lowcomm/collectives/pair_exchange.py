@@ -11,7 +11,8 @@ took by then is abandoned. So a dead or stalled partner costs its mates one dead
 more; nobody waits on anyone but its own group, so no round can deadlock.
 
 Pushes are retried (with back-off, until the deadline) while the mate is unreachable or answers
-NOT_READY. The mate's side is ``pair_inbox.Inbox``: it buffers contributions that arrive before
+NOT_READY. Each push is signed by its sender's key over its header and digest (transport.signing)
+and refused unless the signature holds. The mate's side is ``pair_inbox.Inbox``: it buffers contributions that arrive before
 it read the manifest, and refuses stale, future, replayed and non-mate ones; ``pair_payload``
 checks the bytes against the model. Every refusal is counted (``rejected``) and reported through
 ``on_event("reject", ...)``; none reaches the caller as an exception.
@@ -42,6 +43,7 @@ from lowcomm.collectives.reduce_owner import ContributionRejected
 from lowcomm.collectives.config import SyncConfig
 from lowcomm.proto import wire_pb2
 from lowcomm.transport.service import PeerService
+from lowcomm.transport.signing import Signer, Unauthenticated, Verifier, check_digest, digest
 from lowcomm.transport.wire import Channels, Traffic, WireError, assemble, slices
 
 logger = logging.getLogger(__name__)
@@ -83,17 +85,19 @@ def pairing_digest(groups: dict[str, tuple[str, ...]]) -> str:
 class PairExchange(Collective):
     """A peer's pair exchange: ``start(key, round, tensors).result(timeout)`` → ``ExchangeResult``."""
 
-    def __init__(self, peer_id: str, service: PeerService, channels: Channels, traffic: Traffic,
+    def __init__(self, signer: Signer, service: PeerService, channels: Channels, traffic: Traffic,
                  agreement: ManifestAgreement, sync: SyncConfig, codec: str, shapes: Sequence[tuple[int, ...]],
                  grouping: Grouping, on_event=None):
-        self.me = peer_id
+        self.me = signer.peer_id
+        self.signer = signer
+        self.verifier = Verifier()
         self.channels = channels
         self.traffic = traffic
         self.agreement = agreement
         self.sync = sync
         self.format = TensorListFormat(codec, shapes, sync.zstd_level)
         self.grouping = grouping
-        self.inbox = Inbox(peer_id)
+        self.inbox = Inbox(self.me)
         self.on_event = on_event or (lambda kind, **fields: None)
         self.before_send = None  # fault-injection hook for tests: called with the round after the manifest
         self.rejected = 0
@@ -156,12 +160,14 @@ class PairExchange(Collective):
     def _push(self, endpoint: str, key: GroupKey, round_: int, blob: bytes, deadline: float) -> str:
         """Streams the blob to a mate until it takes it; retries while it is unreachable or not ready."""
         stub, wait_s = self.channels.stub(endpoint), RETRY_FIRST_S
+        header = dict(run_id=key.run, group=key.group, round=round_, sender=self.me, codec=self.format.codec_name,
+                      total_bytes=len(blob), digest=digest(blob))
+        sender_key, signature = self.signer.sign("exchange", header)
 
         def chunks():
             for i, data in enumerate(slices(blob, self.sync.chunk_bytes)):
                 if i == 0:
-                    yield wire_pb2.ExchangeChunk(run_id=key.run, group=key.group, round=round_, sender=self.me,
-                                                 codec=self.format.codec_name, total_bytes=len(blob), data=data)
+                    yield wire_pb2.ExchangeChunk(**header, data=data, sender_key=sender_key, signature=signature)
                 else:
                     yield wire_pb2.ExchangeChunk(data=data)
 
@@ -194,16 +200,18 @@ class PairExchange(Collective):
                 raise ContributionRejected("empty stream")
             if not first.sender or len(first.sender) > MAX_SENDER_CHARS:
                 raise ContributionRejected("missing or oversized sender id")
+            self.verifier.verify("exchange", _signed_header(first), first.sender, first.sender_key, first.signature)
             if first.codec != self.format.codec_name:
                 raise ContributionRejected(f"codec {first.codec!r}, this run exchanges {self.format.codec_name!r}")
             channel = (first.run_id, first.group)
             self.inbox.admit(channel, round_, sender)
             blob = assemble(first.total_bytes, self._datas(first, requests), self.format.max_bytes)
+            check_digest(blob, first.digest, sender)
             tensors = self.format.decode(blob)
             known = self.inbox.deliver(channel, round_, sender, tensors)
         except InboxFull as e:
             return Reply(status=Reply.NOT_READY, round=round_, error=str(e))
-        except (ContributionRejected, WireError) as e:
+        except (ContributionRejected, Unauthenticated, WireError) as e:
             self._count_reject(round_, sender, str(e))
             return Reply(status=Reply.REJECTED, round=round_, error=str(e))
         return Reply(status=Reply.ACCEPTED if known else Reply.BUFFERED, round=round_)
@@ -219,3 +227,9 @@ class PairExchange(Collective):
             self.rejected += 1
         logger.info("round %d: refused a contribution from %s: %s", round_, sender[:40], error)
         self.on_event("reject", method="Exchange", round=round_, sender=sender[:40], error=error[:200])
+
+
+def _signed_header(first) -> dict:
+    """The header fields of a contribution's first chunk that its signature covers (as `_push` signs them)."""
+    return dict(run_id=first.run_id, group=first.group, round=first.round, sender=first.sender, codec=first.codec,
+                total_bytes=first.total_bytes, digest=first.digest)

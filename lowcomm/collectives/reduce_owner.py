@@ -56,6 +56,7 @@ class Slot:
     aborted: str | None = None  # why the slot will never close (abort); its callers get a CollectiveError
     cond: threading.Condition = field(default_factory=threading.Condition)
     owner: str | None = None  # the owner's own id: no remote part may claim it
+    run: str = ""  # the run the slot's round belongs to
 
     @property
     def codec_name(self) -> str:
@@ -121,6 +122,7 @@ class OwnerSlots:
         self._newest: dict[str, int] = {}
         self._cond = threading.Condition()
         self.rejected = 0
+        self.waiting = 0  # calls inside wait_slot
 
     def open(self, slot: Slot) -> Slot:
         with self._cond:
@@ -137,19 +139,27 @@ class OwnerSlots:
         (the caller's call is alive; ``wake`` makes a wait look at it at once)."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while (group, round_) not in self._slots:
-                newest = self._newest.get(group, -1)
-                if newest > round_ + 1:
-                    raise ContributionRejected(f"stale round {round_}: this owner is at round {newest}")
-                if newest >= 0 and round_ > newest + AHEAD_ROUNDS:
-                    raise ContributionRejected(f"round {round_} is too far ahead: this owner is at round {newest}")
-                if active is not None and not active():
-                    raise ContributionRejected(f"round {round_}: the call ended while waiting for the slot")
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError(f"round {round_} not opened here within the deadline")
-                self._cond.wait(min(remaining, WAIT_SLICE_S))
-            return self._slots[(group, round_)]
+            self.waiting += 1
+            try:
+                return self._wait_slot(group, round_, deadline, active)
+            finally:
+                self.waiting -= 1
+
+    def _wait_slot(self, group: str, round_: int, deadline: float, active) -> Slot:
+        """wait_slot's loop; the caller holds ``self._cond``."""
+        while (group, round_) not in self._slots:
+            newest = self._newest.get(group, -1)
+            if newest > round_ + 1:
+                raise ContributionRejected(f"stale round {round_}: this owner is at round {newest}")
+            if newest >= 0 and round_ > newest + AHEAD_ROUNDS:
+                raise ContributionRejected(f"round {round_} is too far ahead: this owner is at round {newest}")
+            if active is not None and not active():
+                raise ContributionRejected(f"round {round_}: the call ended while waiting for the slot")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"round {round_} not opened here within the deadline")
+            self._cond.wait(min(remaining, WAIT_SLICE_S))
+        return self._slots[(group, round_)]
 
     def wake(self) -> None:
         """Makes every wait look at its call's state (a gRPC call-ended callback)."""

@@ -1,8 +1,9 @@
 """How many calls each claimed sender has in flight on a server, bounded.
 
-A stranger who opens stream after stream under one sender id holds one server thread per stream;
-`SenderCalls.admit(sender)` lets at most `limit` of them be served at once. The id is only claimed,
-so a server-wide cap (transport.service) bounds the total whatever ids are used.
+A sender that opens stream after stream holds one server thread per stream; `SenderCalls.admit(sender)`
+lets at most `limit` of them be served at once. The sharded reduce admits a call only once its
+signature proves the sender id (transport.signing), so nobody uses up another peer's places; anyone
+can make fresh keys, so a server-wide cap (transport.service) bounds the total whatever the ids.
 """
 
 from __future__ import annotations

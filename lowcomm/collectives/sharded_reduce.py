@@ -10,11 +10,15 @@ Membership comes from a manifest (collectives.manifest) that covers `epoch_round
 round in which some member failed to contribute ends the epoch, and the exclusion travels in the
 owners' contributor lists, so every member sees the same failure and re-forms the group.
 
-An owner refuses (a `reject` event, a REJECTED reply) every part it cannot trust: one claiming the
-owner's own id, a non-finite one, a weight above `max_weight` (what one round can produce), a round
-too far ahead; its own non-finite part leaves it out of its shard. Nothing a remote part does raises
-into the owner's own round. At most `PER_SENDER_CALLS` Reduce calls per claimed sender are served
-at once; beyond that the call ends with RESOURCE_EXHAUSTED (`Overloaded`).
+Every part is signed by its sender's key over (run, group, round, epoch, sender, shard, weight,
+codec, size, payload digest) (transport.signing); an owner checks the signature on the first chunk,
+before it admits the call or waits for the round, and the digest before it decodes the blob.
+An owner refuses (a `reject` event, a REJECTED reply) every part it cannot trust: an unsigned,
+forged or relabelled one, one for another run or claiming the owner's own id, a non-finite one, a
+weight above `max_weight` (what one round can produce), a round too far ahead; a member's refused
+part closes the slot without it, and the owner's own non-finite part leaves it out of its shard.
+Nothing a remote part does raises into the owner's own round. At most `PER_SENDER_CALLS` Reduce
+calls per sender are served at once; beyond that the call ends with RESOURCE_EXHAUSTED (`Overloaded`).
 """
 
 from __future__ import annotations
@@ -30,12 +34,14 @@ import torch
 from lowcomm.collectives.base import Collective, CollectiveError, GroupKey, RoundResult
 from lowcomm.collectives.manifest import Manifest, ManifestAgreement
 from lowcomm.collectives.combiners import DenseMean
+from lowcomm.collectives.reduce_messages import KIND, part_bytes, part_chunks, reply_chunks, signed_header
 from lowcomm.collectives.reduce_owner import ContributionRejected, OwnerSlots, Slot, validate_weight
 from lowcomm.collectives.config import SyncConfig
 from lowcomm.collectives.sender_calls import SenderCalls
 from lowcomm.proto import wire_pb2
 from lowcomm.transport.service import Overloaded, PeerService
-from lowcomm.transport.wire import Channels, Traffic, WireError, assemble, slices
+from lowcomm.transport.signing import Signer, Unauthenticated, Verifier, check_digest
+from lowcomm.transport.wire import Channels, Traffic, WireError, assemble
 
 logger = logging.getLogger(__name__)
 OK = wire_pb2.ReduceReply.OK
@@ -52,12 +58,14 @@ class ShardReply:
 class ShardedReduce(Collective):
     """A peer's collective: `start(key, round, payload, weight).result(deadline)`."""
 
-    def __init__(self, peer_id: str, service: PeerService, channels: Channels, traffic: Traffic,
+    def __init__(self, signer: Signer, service: PeerService, channels: Channels, traffic: Traffic,
                  agreement: ManifestAgreement, sync: SyncConfig, codec: str, epoch_rounds: int = 1,
                  on_event=None, combiner=None, max_weight: float | None = None):
         """``max_weight``: the most tokens one member's part of a round can carry (tokens per step ×
         inner steps); a part claiming more is refused (None: only reduce_owner.MAX_WEIGHT bounds it)."""
-        self.me = peer_id
+        self.me = signer.peer_id
+        self.signer = signer
+        self.verifier = Verifier()
         self.max_weight = max_weight
         self.channels = channels
         self.traffic = traffic
@@ -127,7 +135,7 @@ class ShardedReduce(Collective):
         my_shard = manifest.owners.index(self.me) if self.me in manifest.owners else None
         if my_shard is not None:
             slot = self.slots.open(Slot(key.group, round_, my_shard, frozenset(manifest.senders), bounds[my_shard],
-                                        self.combiner, deadline, owner=self.me))
+                                        self.combiner, deadline, owner=self.me, run=key.run))
         sends = {}
         contributing = self.me in manifest.senders  # else (a bounded fan-in) it only receives the aggregate
         for j, owner in enumerate(manifest.owners):
@@ -207,20 +215,12 @@ class ShardedReduce(Collective):
               bounds: tuple[int, int], deadline: float) -> ShardReply:
         owner = manifest.owners[shard]
         stub = self.channels.stub(manifest.endpoints[owner])
-
-        def chunks():
-            for i, data in enumerate(slices(blob, self.sync.chunk_bytes)):
-                if i == 0:
-                    chunk = wire_pb2.ReduceChunk(run_id=key.run, group=key.group, round=round_,
-                                                 epoch=manifest.round, sender=self.me, shard=shard, weight=weight,
-                                                 codec=self.codec, total_bytes=len(blob), data=data)
-                else:
-                    chunk = wire_pb2.ReduceChunk(data=data)
-                yield chunk
-
+        header = dict(run_id=key.run, group=key.group, round=round_, epoch=manifest.round, shard=shard, weight=weight,
+                      codec=self.codec)
+        chunks = part_chunks(self.signer, header, blob, self.sync.chunk_bytes)
         timeout = max(0.1, deadline - time.monotonic() + 0.5)
         call_deadline = time.monotonic() + timeout
-        replies = stub.Reduce(self.traffic.sending(chunks(), call_deadline), timeout=timeout)
+        replies = stub.Reduce(self.traffic.sending(chunks, call_deadline), timeout=timeout)
         reply = self._read_reply(replies, shard, bounds, len(manifest.members), call_deadline, own_part=blob)
         # Held at once, not after every other shard: a member whose copy of this shard was lost
         # asks the others for it while they may still wait on slower owners.
@@ -312,6 +312,12 @@ class ShardedReduce(Collective):
         first = next(requests, None)
         if first is None:
             raise ContributionRejected("empty stream")
+        try:  # before anything is admitted or waited for: the per-sender cap counts proven senders only
+            self.verifier.verify(KIND, signed_header(first), first.sender, first.sender_key, first.signature)
+        except Unauthenticated as e:
+            self._reject(first.round, first.sender, e)
+            yield wire_pb2.ReduceReply(status=wire_pb2.ReduceReply.REJECTED, round=first.round, error=str(e))
+            return
         release = self._calls.admit(first.sender)
         if release is None:
             error = f"too many Reduce calls at once from {first.sender[:40]!r} (at most {PER_SENDER_CALLS})"
@@ -325,35 +331,36 @@ class ShardedReduce(Collective):
             release()
 
     def _serve_part(self, first, requests, context):
+        slot = None  # set once the (signed) sender is known to be a member of the round
         try:
             if first.sender == self.me:
                 raise ContributionRejected(f"a remote part claims this owner's own id {first.sender[:40]!r}")
-            validate_weight(first.weight, self.max_weight)
             wait_s = min(max(0.0, context.time_remaining() or 0),
                          self.sync.reduce_timeout_s + self.sync.manifest_s + self.sync.announce_s)
-            slot = self.slots.wait_slot(first.group, first.round, timeout=wait_s, active=context.is_active)
-            if first.sender not in slot.members:
+            waited = self.slots.wait_slot(first.group, first.round, timeout=wait_s, active=context.is_active)
+            if first.run_id != waited.run:
+                raise ContributionRejected(f"part for run {first.run_id[:80]!r}, this owner serves {waited.run!r}")
+            if first.sender not in waited.members:
                 raise ContributionRejected(f"{first.sender!r} is not a member of round {first.round}")
+            slot = waited
+            validate_weight(first.weight, self.max_weight)
             if first.shard != slot.shard or first.codec != slot.codec_name:
                 raise ContributionRejected(f"shard {first.shard}/codec {first.codec!r} do not match this owner's "
                                            f"shard {slot.shard}/{slot.codec_name!r}")
-            blob = assemble(first.total_bytes, self._datas(first, requests),
+            blob = assemble(first.total_bytes, part_bytes(first, requests),
                             self.combiner.max_reply_bytes(slot.bounds, 1))
+            check_digest(blob, first.digest, first.sender)
             slot.add(first.sender, self.combiner.accept(blob, slot.bounds), first.weight)
-        except (ContributionRejected, WireError, TimeoutError) as e:
+        except (ContributionRejected, Unauthenticated, WireError, TimeoutError) as e:
+            if slot is not None:  # a member's refused part: the slot closes without waiting for it
+                slot.leave_out(first.sender)
             self._reject(first.round, first.sender, e)
             yield wire_pb2.ReduceReply(status=wire_pb2.ReduceReply.REJECTED, round=first.round, shard=first.shard,
                                        error=str(e))
             return
         blob, contributors = slot.result()
         reply = self.combiner.reply_for(blob, first.sender)  # sparse bundles: without the sender's own part
-        yield from self._reply_chunks(reply, contributors, slot.round, slot.shard)
-
-    @staticmethod
-    def _datas(first, requests):
-        yield first.data
-        for chunk in requests:
-            yield chunk.data
+        yield from reply_chunks(reply, contributors, slot.round, slot.shard, self.codec, self.sync.chunk_bytes)
 
     def _serve_shard(self, request, context):
         held = self.slots.held(request.group, request.round, request.shard, timeout=min(max(request.wait_s, 0), 5.0))
@@ -361,15 +368,7 @@ class ShardedReduce(Collective):
             yield wire_pb2.ReduceReply(status=wire_pb2.ReduceReply.NOT_READY, round=request.round,
                                        shard=request.shard, error="shard not held here")
             return
-        yield from self._reply_chunks(held[0], held[1], request.round, request.shard)
-
-    def _reply_chunks(self, blob: bytes, contributors: list[str], round_: int, shard: int):
-        for i, data in enumerate(slices(blob, self.sync.chunk_bytes)):
-            if i == 0:
-                yield wire_pb2.ReduceReply(status=OK, round=round_, shard=shard, contributors=contributors,
-                                           codec=self.codec, total_bytes=len(blob), data=data)
-            else:
-                yield wire_pb2.ReduceReply(data=data)
+        yield from reply_chunks(held[0], held[1], request.round, request.shard, self.codec, self.sync.chunk_bytes)
 
 
 class ReduceHandle:

@@ -24,6 +24,7 @@ from lowcomm.pipeline.activations import pack_tokens
 from lowcomm.pipeline.routing import BACKWARD, FORWARD, StageRouter
 from lowcomm.pipeline.stages import Hop, hop_order
 from lowcomm.proto import wire_pb2
+from lowcomm.transport.signing import Signer, sign_message
 from lowcomm.transport.wire import Channels, Traffic, deadline_after
 
 Reply = wire_pb2.StageReply
@@ -41,11 +42,11 @@ class StageEntry:
 
 
 class Driver:
-    def __init__(self, run: str, me: str, stages: int, swap_ends: bool, router: StageRouter, channels: Channels,
+    def __init__(self, run: str, signer: Signer, stages: int, swap_ends: bool, router: StageRouter, channels: Channels,
                  traffic: Traffic, directory: Callable[[], dict[int, dict[str, StageEntry]]],
                  local: Callable[[], object | None], hop_timeout_s: float, stage_wait_s: float,
                  refresh_s: float, on_event: Callable[..., None], stop: threading.Event):
-        self.run, self.me, self.stages, self.swap_ends = run, me, stages, swap_ends
+        self.run, self.signer, self.me, self.stages, self.swap_ends = run, signer, signer.peer_id, stages, swap_ends
         self.router, self.channels, self.traffic = router, channels, traffic
         self.directory, self.local = directory, local
         self.hop_timeout_s, self.stage_wait_s, self.refresh_s = hop_timeout_s, stage_wait_s, refresh_s
@@ -92,6 +93,7 @@ class Driver:
             call.grad_output.CopyFrom(grad_output)
         if targets is not None:
             call.targets.CopyFrom(targets)
+        sign_message(self.signer, method, call)  # stage servers serve only signed calls from the run's peers
         wait_s = self.stage_wait_s if wait_s is None else wait_s
         give_up = time.monotonic() + wait_s
         tried: set[str] = set()

@@ -30,6 +30,7 @@ from lowcomm.runtime.state_transfer import StateHolder
 from lowcomm.transport.addresses import grpc_endpoint
 from lowcomm.transport.control import ControlPlane
 from lowcomm.transport.identity import Identity, owner_marker_from_text, peer_id_of
+from lowcomm.transport.signing import Signer
 from lowcomm.transport.service import PeerService
 from lowcomm.transport.shaper import LinkShaper
 from lowcomm.transport.wire import Channels, Traffic, start_server
@@ -48,6 +49,7 @@ class PeerContext:
         self.options = options
         self.identity = Identity.generate()
         self.me = self.identity.peer_id
+        self.signer = Signer(self.identity)  # signs this peer's data-plane calls (transport.signing)
         self.faults = FaultPlan.parse(options.fault)
         self.stop = threading.Event()
         self.stop_signal: tuple[str, float] | None = None  # (SIGTERM or SIGINT, when it came): a leave

@@ -47,10 +47,14 @@ class Membership:
             logger.warning("heartbeat failed: %s", e)
 
     def set(self, **fields) -> None:
-        """Updates record fields and publishes at once (a state change others must see now)."""
+        """Updates record fields and publishes at once (a state change others must see now); a change of
+        ``state`` is also a `state` event."""
+        changed = "state" in fields and fields["state"] != self.record.state
         for name, value in fields.items():
             setattr(self.record, name, value)
         self.publish()
+        if changed:
+            self.ctx.log.event("state", state=self.record.state, round=self.record.round)
 
     def announce_ahead(self, collective: Collective, key: GroupKey, round_: int) -> None:
         collective.announce_ahead(key, round_)
@@ -61,7 +65,7 @@ class Membership:
         self._stop.set()
         try:
             self.record.state = "leaving"
-            self.ctx.control.expire_peer()
+            self.ctx.control.expire_peer(self.ctx.config.sync.record_ttl_s)
             if self._collective is not None and self.announced >= current_round:
                 self._collective.withdraw_ahead(self._key, self.announced)  # its leader need not wait for us
         except Exception as e:

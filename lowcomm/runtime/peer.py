@@ -119,11 +119,11 @@ class TrainingPeer:
         ctx, config, algo = self.ctx, self.config, self.algorithm
         shapes = [tuple(p.shape) for p in self.trainer.model.parameters()]
         if algo.exchange == PAIRS:  # no all-reduce: each member trades (θ − φ, φ) with its group only
-            return PairExchange(ctx.me, ctx.service, ctx.channels, ctx.traffic, agreement, config.sync,
+            return PairExchange(ctx.signer, ctx.service, ctx.channels, ctx.traffic, agreement, config.sync,
                                 config.noloco.codec, shapes + shapes, noloco_grouping(config), on_event=ctx.log.event)
         # no honest part of a round carries more tokens than H inner steps produce
         max_weight = float(self.trainer.tokens_per_step * config.steps_per_sync)
-        return ShardedReduce(ctx.me, ctx.service, ctx.channels, ctx.traffic, agreement, config.sync,
+        return ShardedReduce(ctx.signer, ctx.service, ctx.channels, ctx.traffic, agreement, config.sync,
                              algo.codec(config), algo.epoch_rounds(config), on_event=ctx.log.event,
                              combiner=algo.combiner(config, shapes), max_weight=max_weight)
 

@@ -41,6 +41,7 @@ from lowcomm.pipeline.server import StageServer
 from lowcomm.pipeline.stages import initial_stage
 from lowcomm.runtime.context import PeerContext, round_timeout
 from lowcomm.runtime.membership import Membership
+from lowcomm.runtime.stage_guard import StageCallGuard
 from lowcomm.runtime.stage_checkpoints import StageCheckpoints
 from lowcomm.runtime.stage_moves import StageMoves
 from lowcomm.runtime.stage_state import StageState
@@ -70,13 +71,15 @@ class StagePeer:
                                             cfg.data.eval_batches)
         agreement = ManifestAgreement(ctx.control, cfg.sync, ctx.endpoint, ctx.client_mode, on_event=ctx.log.event,
                                       due_in_group=_replica_of_group)
-        self.collective = ShardedReduce(self.me, ctx.service, ctx.channels, ctx.traffic, agreement, cfg.sync,
+        self.collective = ShardedReduce(ctx.signer, ctx.service, ctx.channels, ctx.traffic, agreement, cfg.sync,
                                         cfg.diloco.codec, 1, on_event=ctx.log.event)
         self.device = pick_device(o.device)
         # the stage server answers StageForward / StageBackward; ctx.server stays the process's gRPC server
         self.server = StageServer(cfg, initial_stage(cfg.model, cfg.run.seed, 0, self.stages,
                                                      cfg.pipeline.replicate_ends), 0, self.slowdown, self.device)
         ctx.service.stage_handler = self.server
+        ctx.service.stage_guard = StageCallGuard(o.run_name, lambda: {r.peer_id for r in self._stage_records()},
+                                                 cfg.sync.heartbeat_s, ctx.log.event)
         ctx.compute_seconds = lambda: self.server.compute_s
         record = PeerRecord(self.me, ctx.endpoint, "parked" if o.start_file is not None else "joining",
                             self.device.type, client_mode=ctx.client_mode)
@@ -88,7 +91,7 @@ class StagePeer:
                                 lambda: self._round_at(get_dht_time()), lambda: (self.round, self.tokens_global))
         self.moves = StageMoves(ctx, self.state, self.server, self._stage_records)
         self.router = StageRouter(random.Random(f"{cfg.run.seed}-{self.me}"))
-        self.driver = Driver(o.run_name, self.me, self.stages, cfg.pipeline.replicate_ends, self.router,
+        self.driver = Driver(o.run_name, ctx.signer, self.stages, cfg.pipeline.replicate_ends, self.router,
                              ctx.channels, ctx.traffic, self._directory, lambda: self.server, cfg.pipeline.hop_timeout_s,
                              cfg.pipeline.stage_wait_s, cfg.sync.heartbeat_s, ctx.log.event, ctx.stop)
         ctx.log.event("start", endpoint=ctx.endpoint, client_mode=ctx.client_mode, algo=cfg.run.algo,

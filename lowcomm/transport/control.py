@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 DHT_CALL_S = 30.0  # the longest one store or get may take
 RUNS_KEY = "lowcomm.runs"  # every coordinator's run name, so `status` can list the runs a DHT holds
 MAX_RUN_NAME = 128
+TOMBSTONE_MARGIN_S = 30.0  # how much longer than a record its tombstone lives
 
 
 class ConfigRejected(RuntimeError):
@@ -148,11 +149,17 @@ class ControlPlane:
         return bool(self._wait(lambda: self.dht.store(key, value, get_dht_time() + ttl,
                                                       subkey=self.identity.owner_marker, return_future=True)))
 
-    def _expire(self, key: str) -> None:
-        # A record can't be deleted; an already-expired overwrite makes it vanish everywhere.
+    def _expire(self, key: str, ttl: float) -> None:
+        """Replaces this key's record with a tombstone that outlives it (readers drop ``gone`` records).
+
+        A record cannot be deleted, and a DHT node keeps, per subkey, the value that expires last: an
+        overwrite expiring sooner than the record loses to it, and the record lingers until its own
+        expiration. The tombstone expires ``ttl`` (the record's lifetime) plus TOMBSTONE_MARGIN_S from
+        now, later than the record and than a heartbeat that was already in flight.
+        """
         self._wait(lambda: self.dht.store(key, {"peer_id": self.identity.peer_id, "gone": True},
-                                          get_dht_time() + 0.5, subkey=self.identity.owner_marker,
-                                          return_future=True))
+                                          get_dht_time() + ttl + TOMBSTONE_MARGIN_S,
+                                          subkey=self.identity.owner_marker, return_future=True))
 
     def _read(self, key: str) -> dict[str, dict]:
         """peer_id -> value for every well-formed record under `key` whose signer matches its peer_id."""
@@ -213,8 +220,9 @@ class ControlPlane:
         record.heartbeat = get_dht_time()
         self._store(f"{self.run}.peers", asdict(record), ttl)
 
-    def expire_peer(self) -> None:
-        self._expire(f"{self.run}.peers")
+    def expire_peer(self, ttl: float) -> None:
+        """Removes this peer's record at once; ``ttl``: the lifetime its records were published with."""
+        self._expire(f"{self.run}.peers", ttl)
 
     def live_peers(self) -> dict[str, PeerRecord]:
         out = {}

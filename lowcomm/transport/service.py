@@ -79,6 +79,7 @@ class PeerService(wire_pb2_grpc.PeerServicer):
         self.exchange_cap_s = 120.0  # the longest one Exchange call may hold a server thread
         self.state_handler: Callable | None = None
         self.stage_handler = None  # pipeline.server.StageServer: forward(call) and backward(call) -> StageReply
+        self.stage_guard: Callable[[str, object], None] | None = None  # raises for a call not to serve (runtime)
         self.checkpointer: str | None = None  # the coordinator's peer id: its GetState calls are checkpoints
         self._errors = 0
         self._lock = threading.Lock()
@@ -207,6 +208,8 @@ class PeerService(wire_pb2_grpc.PeerServicer):
         if self.stage_handler is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "this peer serves no pipeline stage")
         try:
+            if self.stage_guard is not None:
+                self.stage_guard(method, request)
             serve = self.stage_handler.forward if method == "StageForward" else self.stage_handler.backward
             reply = serve(request)
         except Exception as e:  # hostile input must never take the server down

@@ -68,3 +68,17 @@ def test_status_shows_each_peers_loss_and_lists_the_runs_when_the_named_one_has_
     assert main(["status", "--coordinator", maddr, "--run", "run-typo"]) == 1
     out = capsys.readouterr().out
     assert "runs this DHT holds: run-x" in out and "--run" in out
+
+
+def test_a_leaving_peers_record_is_gone_at_once_and_stays_gone(swarm):
+    """The tombstone outlives the record: a 0.5 s overwrite lost to the record's later expiration."""
+    coordinator, attacker, reader = swarm
+    leaver = ControlPlane.start(Identity.generate(), "run-x", initial_peers=coordinator.visible_maddrs())
+    try:
+        leaver.publish_peer(PeerRecord(leaver.identity.peer_id, "127.0.0.1:3", "training"), ttl=60)
+        assert leaver.identity.peer_id in reader.live_peers()
+        leaver.expire_peer(ttl=60)
+        assert leaver.identity.peer_id not in reader.live_peers()
+        assert leaver.identity.peer_id not in coordinator.live_peers()
+    finally:
+        leaver.shutdown()

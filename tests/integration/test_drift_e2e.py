@@ -42,6 +42,9 @@ def test_drifted_replicas_resync_to_one_phi_after_a_tie_and_after_a_lone_drift(t
     # The lone drift: peer 1 against three.
     assert [e["peer"] for e in resyncs if e["round"] == ALONE_AT + 1] == [ids[1]]
     assert len(resyncs) == len(at_tie) + 1
+    for e in resyncs:  # back to training once resynced: a source for others again
+        states = [s for s in events(records, "state", e["peer"]) if s["t"] > e["t"]]
+        assert [s["state"] for s in states[:2]] == ["joining", "training"], (e, states)
 
     rounds = rounds_of(records)
     for round_, rs in rounds.items():

@@ -10,7 +10,6 @@ loopback (test_sharded_reduce's nodes); assertions are on refusals and values, n
 from __future__ import annotations
 
 import struct
-import sys
 import threading
 import time
 
@@ -20,10 +19,12 @@ import torch
 import zstandard
 
 from lowcomm.collectives.combiners import DenseMean
+from lowcomm.collectives.reduce_messages import KIND
 from lowcomm.collectives.reduce_owner import ContributionRejected, Slot, decode_contribution, validate_weight
 from lowcomm.collectives.sharded_reduce import PER_SENDER_CALLS
 from lowcomm.compress import base as codec_base
 from lowcomm.proto import wire_pb2
+from lowcomm.transport.signing import Signer, digest
 from children import wait_until
 from unit.test_sharded_reduce import KEY, NUMEL, SYNC, WAIT_S, Board, nodes, payload  # noqa: F401 (nodes: the fixture)
 
@@ -34,14 +35,19 @@ def rejects(node) -> list[dict]:
     return [e for e in node.events if e["kind"] == "reject"]
 
 
-def part(sender: str, round_: int, shard: int = 0, weight: float = 1.0, data: bytes = b"", codec: str = "fp32"):
-    return wire_pb2.ReduceChunk(run_id=KEY.run, group=KEY.group, round=round_, epoch=round_, sender=sender,
-                                shard=shard, weight=weight, codec=codec, total_bytes=len(data), data=data)
+def part(signer: Signer, round_: int, shard: int = 0, weight: float = 1.0, blob: bytes = b"", codec: str = "fp32",
+         first_bytes: int | None = None, sender: str | None = None):
+    """The first chunk of a part of ``blob`` signed by ``signer`` (a member lying about its own part, or,
+    with ``sender``, claiming another id), carrying ``first_bytes`` of the blob (all by default)."""
+    header = dict(run_id=KEY.run, group=KEY.group, round=round_, epoch=round_, sender=sender or signer.peer_id,
+                  shard=shard, weight=weight, codec=codec, total_bytes=len(blob), digest=digest(blob))
+    key, signature = signer.sign(KIND, header)
+    return wire_pb2.ReduceChunk(**header, data=blob[:first_bytes], sender_key=key, signature=signature)
 
 
 def open_slot(reduce, round_: int, members, owner: str, deadline_s: float = OWNER_WAIT_S) -> Slot:
     slot = Slot(KEY.group, round_, 0, frozenset(members), (0, NUMEL), reduce.combiner,
-                time.monotonic() + deadline_s, owner=owner)
+                time.monotonic() + deadline_s, owner=owner, run=KEY.run)
     return reduce.slots.open(slot)
 
 
@@ -74,7 +80,9 @@ def test_streams_claiming_the_owners_id_kill_no_peer(nodes, monkeypatch):
     stub = members[0].channels.stub(victim.endpoint)
     combiner = DenseMean("fp32", 0)
     data = combiner.encode(torch.ones(NUMEL), combiner.shard_bounds(3, NUMEL)[2])
-    forged = [stub.Reduce(iter([part(victim.id, 0, shard=2, data=data)]), timeout=WAIT_S) for _ in range(2)]
+    attacker = members[0].signer  # signs with its own key, names the owner as sender
+    forged = [stub.Reduce(iter([part(attacker, 0, shard=2, blob=data, sender=victim.id)]), timeout=WAIT_S)
+              for _ in range(2)]
     payloads = [payload(i) for i in range(3)]
     handles = [r.start(KEY, 0, p, 1.0) for r, p in zip(reduces, payloads)]
     results = [h.result(WAIT_S) for h in handles]  # the victim's own round raises nothing
@@ -83,7 +91,7 @@ def test_streams_claiming_the_owners_id_kill_no_peer(nodes, monkeypatch):
         torch.testing.assert_close(result.aggregate, sum(payloads) / 3, rtol=1e-5, atol=1e-5)
     for call in forged:
         replies = list(call)
-        assert replies[0].status == wire_pb2.ReduceReply.REJECTED and "owner's own id" in replies[0].error
+        assert replies[0].status == wire_pb2.ReduceReply.REJECTED and "not the key of" in replies[0].error
     assert len(rejects(victim)) == 2
 
 
@@ -95,15 +103,16 @@ def test_a_member_whose_delta_is_nan_is_left_out_and_poisons_no_shard(nodes):
     board = Board(KEY.run, {n.id for n in members})
     reduces = [n.reduce(board) for n in members]
     payloads = [payload(i) for i in range(3)]
-    payloads[0][::7] = float("nan")  # peer-0 owns shard 0: its own part must not go into it either
+    payloads[0][::7] = float("nan")
     handles = [r.start(KEY, 0, p, 1.0) for r, p in zip(reduces, payloads)]
     results = [h.result(WAIT_S) for h in handles]
     for result in results:
         assert bool(torch.isfinite(result.aggregate).all())
-        assert result.contributors == ["peer-1", "peer-2"]
+        assert result.contributors == sorted([members[1].id, members[2].id])
         torch.testing.assert_close(result.aggregate, (payloads[1] + payloads[2]) / 2, rtol=1e-5, atol=1e-5)
-    assert any(e["sender"] == "peer-0" for e in rejects(members[0]))  # its own part, refused by itself
-    assert all(any(e["sender"] == "peer-0" for e in rejects(n)) for n in members[1:])
+    poisoner = members[0].id  # the lowest id: it owns shard 0, and its own part must not go into it either
+    assert any(e["sender"] == poisoner[:40] for e in rejects(members[0]))  # its own part, refused by itself
+    assert all(any(e["sender"] == poisoner[:40] for e in rejects(n)) for n in members[1:])
 
 
 def test_a_weight_above_what_a_round_can_produce_is_refused(nodes):
@@ -117,12 +126,12 @@ def test_a_weight_above_what_a_round_can_produce_is_refused(nodes):
     for r in reduces:
         r.max_weight = 4096.0
     payloads = [payload(i) for i in range(3)]
-    weights = [4096.0, 1e11, 2048.0]  # peer-1 claims the weight of millions of inner steps
+    weights = [4096.0, 1e11, 2048.0]  # members[1] claims the weight of millions of inner steps
     handles = [r.start(KEY, 0, p, w) for r, p, w in zip(reduces, payloads, weights)]
     results = [h.result(WAIT_S) for h in handles]
     expected = (payloads[0] * 4096.0 + payloads[2] * 2048.0) / 6144.0
     for result in results:
-        assert result.contributors == ["peer-0", "peer-2"]
+        assert result.contributors == sorted([members[0].id, members[2].id])
         torch.testing.assert_close(result.aggregate, expected, rtol=1e-5, atol=1e-5)
     assert all(any("one round can produce" in e["error"] for e in rejects(n)) for n in members)
 
@@ -167,8 +176,7 @@ def test_a_bomb_sent_to_an_owner_is_refused_with_a_reject_event(nodes, monkeypat
     reduce = owner.reduce(Board(KEY.run, {owner.id, sender.id}), codec="uint8")
     open_slot(reduce, 0, {owner.id, sender.id}, owner.id)
     blob = bomb(2**28)
-    chunks = [part(sender.id, 0, data=blob[:4096], codec="uint8")]
-    chunks[0].total_bytes = len(blob)
+    chunks = [part(sender.signer, 0, blob=blob, codec="uint8", first_bytes=4096)]
     chunks += [wire_pb2.ReduceChunk(data=blob[i:i + 4096]) for i in range(4096, len(blob), 4096)]
     reply = list(sender.channels.stub(owner.endpoint).Reduce(iter(chunks), timeout=WAIT_S))[0]
     assert reply.status == wire_pb2.ReduceReply.REJECTED and "declares" in reply.error
@@ -178,24 +186,12 @@ def test_a_bomb_sent_to_an_owner_is_refused_with_a_reject_event(nodes, monkeypat
 # ---- server threads: far-future rounds, cancellation, caps -------------------------------------
 
 
-def threads_in(function: str) -> int:
-    return sum(1 for frame in sys._current_frames().values() if any_frame(frame, function))
-
-
-def any_frame(frame, function: str) -> bool:
-    while frame is not None:
-        if frame.f_code.co_name == function:
-            return True
-        frame = frame.f_back
-    return False
-
-
 def test_streams_naming_a_far_future_round_are_refused_at_once(nodes):
     owner, sender = nodes[0], nodes[1]
     reduce = owner.reduce(Board(KEY.run, {owner.id, sender.id}))
     open_slot(reduce, 5, {owner.id, sender.id}, owner.id)
     stub = sender.channels.stub(owner.endpoint)
-    calls = [stub.Reduce(iter([part(sender.id, 10**6)]), timeout=OWNER_WAIT_S) for _ in range(20)]
+    calls = [stub.Reduce(iter([part(sender.signer, 10**6)]), timeout=OWNER_WAIT_S) for _ in range(20)]
     for call in calls:
         reply = list(call)[0]  # before the caller's deadline: no thread waits for that round
         assert reply.status == wire_pb2.ReduceReply.REJECTED and "too far ahead" in reply.error
@@ -210,22 +206,22 @@ def test_a_cancelled_stream_frees_its_server_thread(nodes):
     chunks = threading.Event()
 
     def stream():  # the first part, then the stream stays open
-        yield part(sender.id, 3)
+        yield part(sender.signer, 3)
         chunks.wait(OWNER_WAIT_S)
 
     call = stub.Reduce(stream(), timeout=OWNER_WAIT_S)
-    wait_until(lambda: threads_in("wait_slot"), WAIT_S, "a server thread waiting for the slot", poll_s=0.05)
-    assert threads_in("wait_slot") == 1
+    wait_until(lambda: reduce.slots.waiting, WAIT_S, "a server thread waiting for the slot", poll_s=0.05)
+    assert reduce.slots.waiting == 1
     call.cancel()
     chunks.set()
     # well before OWNER_WAIT_S, the call's end frees its thread and its place
-    wait_until(lambda: threads_in("wait_slot") == 0, WAIT_S, "the cancelled call's thread freed", poll_s=0.05)
+    wait_until(lambda: reduce.slots.waiting == 0, WAIT_S, "the cancelled call's thread freed", poll_s=0.05)
     wait_until(lambda: owner.service.waiting_calls == 0, WAIT_S, "the cancelled call's place freed", poll_s=0.05)
 
 
 def waiting_streams(stub, senders, round_: int, release: threading.Event):
-    def stream(sender):
-        yield part(sender, round_)
+    def stream(signer):
+        yield part(signer, round_)
         release.wait(OWNER_WAIT_S)
 
     return [stub.Reduce(stream(s), timeout=OWNER_WAIT_S) for s in senders]
@@ -236,9 +232,9 @@ def test_calls_beyond_the_per_sender_cap_are_refused_with_resource_exhausted(nod
     reduce = owner.reduce(Board(KEY.run, {owner.id, sender.id}))
     open_slot(reduce, 0, {owner.id, sender.id}, owner.id)
     stub, release = sender.channels.stub(owner.endpoint), threading.Event()
-    held = waiting_streams(stub, [sender.id] * PER_SENDER_CALLS, 1, release)  # round 1: not open, within reach
-    wait_until(lambda: threads_in("wait_slot") >= PER_SENDER_CALLS, WAIT_S, "the sender's calls waiting", poll_s=0.05)
-    extra = waiting_streams(stub, [sender.id], 1, release)[0]
+    held = waiting_streams(stub, [sender.signer] * PER_SENDER_CALLS, 1, release)  # round 1: not open, within reach
+    wait_until(lambda: reduce.slots.waiting >= PER_SENDER_CALLS, WAIT_S, "the sender's calls waiting", poll_s=0.05)
+    extra = waiting_streams(stub, [sender.signer], 1, release)[0]
     with pytest.raises(grpc.RpcError) as refused:
         list(extra)
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -256,10 +252,11 @@ def test_calls_beyond_the_servers_cap_are_refused_with_resource_exhausted(nodes)
     owner.service.on_error = lambda method, error: errors.append((method, error))
     owner.service.max_waiting_calls = 3
     stub, release = sender.channels.stub(owner.endpoint), threading.Event()
-    held = waiting_streams(stub, ["x-1", "x-2", "x-3"], 1, release)
+    strangers = [Signer.generate() for _ in range(4)]
+    held = waiting_streams(stub, strangers[:3], 1, release)
     wait_until(lambda: owner.service.waiting_calls >= 3, WAIT_S, "three calls waiting", poll_s=0.05)
     with pytest.raises(grpc.RpcError) as refused:
-        list(waiting_streams(stub, ["x-4"], 1, release)[0])
+        list(waiting_streams(stub, strangers[3:], 1, release)[0])
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert errors and errors[0][0] == "Reduce"
     ping = sender.channels.stub(owner.endpoint).Ping(wire_pb2.PingRequest(sender=sender.id), timeout=WAIT_S)

@@ -23,6 +23,7 @@ from lowcomm.collectives.reduce_owner import ContributionRejected
 from lowcomm.compress import get_codec
 from lowcomm.proto import wire_pb2, wire_pb2_grpc
 from lowcomm.transport.service import PeerService
+from lowcomm.transport.signing import Signer, digest
 from lowcomm.transport.wire import Channels, Traffic, start_server
 
 SHAPES = [(3, 4), (5,)]
@@ -154,12 +155,13 @@ class StandInAgreement:
 
 
 class Member:
-    def __init__(self, peer_id: str, sync: SyncConfig):
-        self.id = peer_id
+    def __init__(self, signer: Signer, sync: SyncConfig):
+        self.signer = signer
+        self.id = signer.peer_id
         self.events = []
         self.traffic = Traffic(None)
         self.channels = Channels(sync.chunk_bytes)
-        self.service = PeerService(peer_id, self.traffic, self.channels)
+        self.service = PeerService(self.id, self.traffic, self.channels)
         self.server, port = start_server(self.service, "127.0.0.1", 0, sync.chunk_bytes)
         self.endpoint = f"127.0.0.1:{port}"
         self.sync = sync
@@ -168,7 +170,7 @@ class Member:
         shared = agreement
         agreement = StandInAgreement(shared.run, shared.members, shared.gate, shared.excluded, shared.announced)
         agreement.cond, agreement.me = shared.cond, self.id
-        self.exchange = PairExchange(self.id, self.service, self.channels, self.traffic, agreement, self.sync, codec,
+        self.exchange = PairExchange(self.signer, self.service, self.channels, self.traffic, agreement, self.sync, codec,
                                      SHAPES, lambda run, r, members: group_of(run, r, members, 2),
                                      on_event=lambda kind, **fields: self.events.append({"kind": kind, **fields}))
         return self.exchange
@@ -178,10 +180,13 @@ class Member:
         self.channels.close()
 
 
+SIGNERS = sorted((Signer.generate() for _ in range(4)), key=lambda signer: signer.peer_id)
+
+
 @pytest.fixture
 def swarm():
     sync = SyncConfig(reduce_timeout_s=5.0, chunk_bytes=64)  # small chunks: every push is a real stream
-    members = {f"peer-{i}": Member(f"peer-{i}", sync) for i in range(4)}
+    members = {signer.peer_id: Member(signer, sync) for signer in SIGNERS}  # in id order
     yield members
     for m in members.values():
         m.close()
@@ -210,7 +215,7 @@ def test_every_member_receives_exactly_its_mates_tensors_and_bytes_are_counted(s
         assert result.info["record"]["pushed"] == {mate: "accepted"} or \
             result.info["record"]["pushed"] == {mate: "buffered"}
     fmt = TensorListFormat("fp32", SHAPES)
-    blob_bytes = len(fmt.encode(inputs["peer-0"]))
+    blob_bytes = len(fmt.encode(inputs[SIGNERS[0].peer_id]))
     for m in swarm.values():
         assert m.traffic.sent >= blob_bytes and m.traffic.received >= blob_bytes
         assert not [e for e in m.events if e["kind"] in ("reject", "timeout")]
@@ -219,7 +224,7 @@ def test_every_member_receives_exactly_its_mates_tensors_and_bytes_are_counted(s
 def test_a_partner_that_never_comes_costs_one_deadline_and_leaves_a_group_of_one(swarm):
     agreement = StandInAgreement(KEY.run, endpoints(swarm))
     groups = group_of(KEY.run, 0, sorted(swarm), 2)
-    absent = "peer-0"
+    absent = SIGNERS[0].peer_id
     partner = next(q for q in groups[absent] if q != absent)
     exchanges = {p: m.join(agreement) for p, m in swarm.items() if p != absent}
     swarm[absent].close()  # its server is gone: pushes to it fail until the deadline
@@ -254,12 +259,13 @@ def test_a_fast_partners_push_is_buffered_until_the_receiver_reads_the_manifest(
 
 
 def test_a_member_left_out_of_the_manifest_closes_its_round(swarm):
-    agreement = StandInAgreement(KEY.run, endpoints(swarm), excluded=frozenset({"peer-3"}))
-    exchange = swarm["peer-3"].join(agreement)
+    left_out = SIGNERS[3].peer_id
+    agreement = StandInAgreement(KEY.run, endpoints(swarm), excluded=frozenset({left_out}))
+    exchange = swarm[left_out].join(agreement)
     with pytest.raises(NotInRound):
         exchange.start(KEY, 0, tensors_for(0)).result(60)
     with pytest.raises(ContributionRejected, match="stale"):
-        exchange.inbox.admit(CHANNEL, 0, "peer-1")
+        exchange.inbox.admit(CHANNEL, 0, SIGNERS[1].peer_id)
 
 
 def _push(endpoint: str, chunks: list, timeout: float = 20.0) -> str:
@@ -288,9 +294,18 @@ def test_hostile_pushes_are_refused_counted_and_the_exchange_still_works(swarm):
                          get_codec("fp32", zstd_level=0).encode(torch.zeros(5))])
     header = dict(run_id=KEY.run, group=KEY.group, round=4, sender=mate, codec="fp32")
 
+    def signed(blob=good, total=None, data=None, signer=None, **overrides):
+        """The first chunk of a push of ``blob``, signed by its sender's key (or by ``signer``'s)."""
+        fields = {**header, **overrides, "total_bytes": len(blob) if total is None else total, "digest": digest(blob)}
+        key, signature = (signer or swarm[fields["sender"]].signer).sign("exchange", fields)
+        return wire_pb2.ExchangeChunk(**fields, data=blob if data is None else data, sender_key=key,
+                                      signature=signature)
+
     def push(blob=good, **overrides):
-        fields = {**header, **overrides}
-        return _push(swarm[target].endpoint, [wire_pb2.ExchangeChunk(**fields, total_bytes=len(blob), data=blob)])
+        return _push(swarm[target].endpoint, [signed(blob, **overrides)])
+
+    unsigned = signed()
+    unsigned.ClearField("signature")
 
     answers = {
         "stale round": push(round=3),
@@ -300,10 +315,11 @@ def test_hostile_pushes_are_refused_counted_and_the_exchange_still_works(swarm):
         "malformed": push(blob=b"\x02\x00\x00\x00garbage"),
         "wrong shape": push(blob=wrong_shape),
         "NaN": push(blob=nan),
-        "oversized declaration": _push(swarm[target].endpoint, [wire_pb2.ExchangeChunk(
-            **header, total_bytes=1 << 40, data=b"x")]),
-        "truncated stream": _push(swarm[target].endpoint, [wire_pb2.ExchangeChunk(
-            **header, total_bytes=len(good), data=good[:-5])]),
+        "oversized declaration": _push(swarm[target].endpoint, [signed(total=1 << 40, data=b"x")]),
+        "truncated stream": _push(swarm[target].endpoint, [signed(data=good[:-5])]),
+        "forged sender": _push(swarm[target].endpoint, [signed(signer=swarm[outsider].signer)]),
+        "tampered payload": _push(swarm[target].endpoint, [signed(data=fmt.encode(tensors_for(2)))]),
+        "unsigned": _push(swarm[target].endpoint, [unsigned]),
         "empty stream": _push(swarm[target].endpoint, []),
     }
     for what, answer in answers.items():

@@ -17,6 +17,7 @@ from lowcomm.pipeline.routing import StageRouter
 from lowcomm.pipeline.server import StageServer
 from lowcomm.pipeline.stages import initial_stage
 from lowcomm.transport.service import PeerService
+from lowcomm.transport.signing import Signer
 from lowcomm.transport.wire import Channels, Traffic, start_server
 
 CONFIG = default_config().override({"model.d_model": 32, "model.n_heads": 2, "model.n_layers": 2,
@@ -56,7 +57,7 @@ def replicas():
 def make_driver(directory, events, stage_wait_s=30.0):
     now = time.monotonic()
     entries = {p: StageEntry(endpoint, throughput, now + 5.0) for p, (endpoint, throughput) in directory.items()}
-    return Driver("run", "me", 1, False, StageRouter(random.Random(0)), Channels(1 << 20), Traffic(),
+    return Driver("run", Signer.generate(), 1, False, StageRouter(random.Random(0)), Channels(1 << 20), Traffic(),
                   lambda: {0: entries}, lambda: None, hop_timeout_s=0.5, stage_wait_s=stage_wait_s, refresh_s=0.2,
                   on_event=lambda kind, **f: events.append((kind, f)), stop=threading.Event())
 

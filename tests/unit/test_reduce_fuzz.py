@@ -17,6 +17,7 @@ from lowcomm.collectives.combiners import DenseMean
 from lowcomm.collectives.reduce_owner import Slot
 from lowcomm.compress import get_codec
 from lowcomm.proto import wire_pb2
+from lowcomm.transport.signing import Signer, digest
 from unit.test_sharded_reduce import KEY, Board, Node
 
 NUMEL = 64
@@ -43,31 +44,42 @@ def frames() -> st.SearchStrategy[bytes]:
     return st.one_of(st.binary(max_size=600), valid, mutated)
 
 
-parts = st.builds(
-    lambda sender, round_, shard, weight, codec, data, total: wire_pb2.ReduceChunk(
-        run_id=KEY.run, group=KEY.group, round=round_, epoch=round_, sender=sender, shard=shard, weight=weight,
-        codec=codec, total_bytes=len(data) if total is None else total, data=data),
-    sender=st.sampled_from(["owner", "member", "stranger", ""]) | st.text(max_size=80),
-    round_=st.sampled_from([7, 8, 9]) | st.integers(0, 2**40),
-    shard=st.integers(0, 3),
-    weight=st.floats(allow_nan=True, allow_infinity=True),
-    codec=st.sampled_from(CODECS) | st.text(max_size=12),
-    data=frames(),
-    total=st.none() | st.integers(0, 2**62),
-)
+SIGNERS = {name: Signer.generate() for name in ("owner", "member", "stranger")}
+OWNER, MEMBER = SIGNERS["owner"].peer_id, SIGNERS["member"].peer_id
+
+
+@st.composite
+def parts(draw) -> wire_pb2.ReduceChunk:
+    """A first chunk: signed by the key it names, unsigned, or signed by a stranger's key (forged)."""
+    who = draw(st.sampled_from(sorted(SIGNERS)) | st.text(max_size=80))
+    signing = draw(st.sampled_from(["signed", "unsigned", "forged"]))
+    round_ = draw(st.sampled_from([7, 8, 9]) | st.integers(0, 2**40))
+    data = draw(frames())
+    total = draw(st.none() | st.integers(0, 2**62))
+    header = dict(run_id=KEY.run, group=KEY.group, round=round_, epoch=round_,
+                  sender=SIGNERS[who].peer_id if who in SIGNERS else who, shard=draw(st.integers(0, 3)),
+                  weight=draw(st.floats(allow_nan=True, allow_infinity=True)),
+                  codec=draw(st.sampled_from(CODECS) | st.text(max_size=12)),
+                  total_bytes=len(data) if total is None else total,
+                  digest=draw(st.just(digest(data)) | st.binary(max_size=40)))
+    chunk = wire_pb2.ReduceChunk(**header, data=data)
+    signer = SIGNERS.get(who) if signing == "signed" else SIGNERS["stranger"] if signing == "forged" else None
+    if signer is not None:
+        chunk.sender_key, chunk.signature = signer.sign("reduce", header)
+    return chunk
 
 
 def test_random_parts_are_refused_cleanly_or_accepted():
-    node = Node("owner")
+    node = Node(SIGNERS["owner"])
     try:
-        reduce = node.reduce(Board(KEY.run, {"owner", "member"}))
+        reduce = node.reduce(Board(KEY.run, {OWNER, MEMBER}))
         reduce.max_weight = 1e6
 
         @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-        @given(first=parts, more=st.lists(st.binary(max_size=64), max_size=3))
+        @given(first=parts(), more=st.lists(st.binary(max_size=64), max_size=3))
         def check(first, more):
-            slot = Slot(KEY.group, 7, 0, frozenset({"owner", "member"}), (0, NUMEL), DenseMean("fp32", 0),
-                        time.monotonic() + 0.05, owner="owner")
+            slot = Slot(KEY.group, 7, 0, frozenset({OWNER, MEMBER}), (0, NUMEL), DenseMean("fp32", 0),
+                        time.monotonic() + 0.05, owner=OWNER, run=KEY.run)
             reduce.slots = type(reduce.slots)()
             reduce.slots.open(slot)
             node.events.clear()
@@ -77,10 +89,11 @@ def test_random_parts_are_refused_cleanly_or_accepted():
             if replies[0].status == wire_pb2.ReduceReply.REJECTED:
                 assert replies[0].error and "\n" not in replies[0].error.strip()
                 assert [e["kind"] for e in node.events] == ["reject"]
-                assert set(slot.items) <= {"member"}
-            else:  # accepted: only a member's well-formed, finite part of the right size and weight
-                assert first.sender == "member" and first.round == 7 and 0 < first.weight <= 1e6
-                values = slot.items.get("member")
+                assert set(slot.items) <= {MEMBER}
+            else:  # accepted: only a member's signed, well-formed, finite part of the right size and weight
+                assert first.sender == MEMBER and first.round == 7 and 0 < first.weight <= 1e6
+                assert first.sender_key == SIGNERS["member"].key and first.digest == digest(first.data)
+                values = slot.items.get(MEMBER)
                 assert values is None or values[0] is None or bool(torch.isfinite(values[0]).all())
 
         check()

@@ -46,7 +46,9 @@ from lowcomm.collectives.local import LocalGroup
 from lowcomm.collectives.manifest import Manifest
 from lowcomm.collectives.pair_exchange import PairExchange
 from lowcomm.config import RunConfig
+from lowcomm.transport.identity import Identity
 from lowcomm.transport.service import PeerService
+from lowcomm.transport.signing import Signer, Unauthenticated, Verifier
 from lowcomm.transport.wire import Channels, Traffic, start_server
 
 REFERENCE_RTOL, REFERENCE_ATOL = 1e-6, 1e-7  # ALGORITHMS.md "Comparing with the reference vectors"
@@ -369,10 +371,32 @@ class BoardAgreement:
         return Manifest(board.run, group, round_, epoch_rounds, ids[0], ids, dict(board.endpoints), ids, codec)
 
 
+class NamedSigner(Signer):
+    """A real key under a fixed name: the golden trajectory pairs peers by the names it was recorded with,
+    and a real peer id is the hash of its key."""
+
+    def __init__(self, name: str):
+        super().__init__(Identity.generate())
+        self.peer_id = name
+
+
+class NamedVerifier(Verifier):
+    """Checks signatures as the runtime does, but a sender's key by its name (``keys``), not by its hash."""
+
+    def __init__(self, keys: dict[str, bytes]):
+        super().__init__()
+        self.keys = keys
+
+    def check_sender(self, sender: str, key: bytes) -> None:
+        if self.keys.get(sender) != key:
+            raise Unauthenticated(f"the call's key is not the key of {sender!r}")
+
+
 class Peer:
-    """One peer's transport, as runtime.peer builds it: traffic, channels, service, server."""
+    """One peer's transport, as runtime.peer builds it: key, traffic, channels, service, server."""
 
     def __init__(self, peer_id: str, sync: SyncConfig):
+        self.signer = NamedSigner(peer_id)
         self.id = peer_id
         self.traffic = Traffic(None)
         self.channels = Channels(sync.chunk_bytes)
@@ -408,10 +432,12 @@ def test_noloco_replicas_over_the_pair_exchange_reproduce_the_golden_trajectory(
     models = [Blocks(data["phi0"]) for _ in range(replicas)]
     shapes = [tuple(p.shape) for p in models[0].parameters()]
     board = Board(data["run"], {peer.id: peer.endpoint for peer in peers})
-    exchanges = [PairExchange(peer.id, peer.service, peer.channels, peer.traffic, BoardAgreement(board, peer.id), sync,
-                              config.noloco.codec, shapes + shapes, noloco_grouping(config),
+    exchanges = [PairExchange(peer.signer, peer.service, peer.channels, peer.traffic, BoardAgreement(board, peer.id),
+                              sync, config.noloco.codec, shapes + shapes, noloco_grouping(config),
                               on_event=lambda kind, peer=peer, **fields: peer.events.append({"kind": kind, **fields}))
                  for peer in peers]
+    for exchange in exchanges:
+        exchange.verifier = NamedVerifier({peer.id: peer.signer.key for peer in peers})
     tracks = [Track() for _ in range(replicas)]
     reps = build("noloco", config, models, exchanges, GroupKey(data["run"]), tracks)
     assert all(isinstance(rep, NoLoCo) for rep in reps)

@@ -23,6 +23,7 @@ from lowcomm.collectives.local import LocalGroup
 from lowcomm.collectives.manifest import Manifest
 from lowcomm.collectives.sharded_reduce import ShardedReduce
 from lowcomm.transport.service import PeerService
+from lowcomm.transport.signing import Signer
 from lowcomm.transport.wire import Channels, Traffic, start_server
 
 KEY = GroupKey("sharded-test")
@@ -89,20 +90,25 @@ class MemoryAgreement:
         return manifest
 
 
-class Node:
-    """One peer's transport, as runtime.peer builds it: traffic, channels, service, server."""
+# Keys made once for the module's nodes, in the order of their ids: nodes[0] has the lowest id.
+SIGNERS = sorted((Signer.generate() for _ in range(5)), key=lambda signer: signer.peer_id)
 
-    def __init__(self, peer_id: str):
-        self.id = peer_id
+
+class Node:
+    """One peer's transport, as runtime.peer builds it: key, traffic, channels, service, server."""
+
+    def __init__(self, signer: Signer | None = None):
+        self.signer = signer or Signer.generate()
+        self.id = self.signer.peer_id
         self.traffic = Traffic(None)
         self.channels = Channels(SYNC.chunk_bytes)
-        self.service = PeerService(peer_id, self.traffic, self.channels)
+        self.service = PeerService(self.id, self.traffic, self.channels)
         self.server, port = start_server(self.service, "127.0.0.1", 0, SYNC.chunk_bytes)
         self.endpoint = f"127.0.0.1:{port}"
         self.events = []
 
     def reduce(self, board: Board, codec: str = "fp32", combiner=None) -> ShardedReduce:
-        return ShardedReduce(self.id, self.service, self.channels, self.traffic,
+        return ShardedReduce(self.signer, self.service, self.channels, self.traffic,
                              MemoryAgreement(board, self.id, self.endpoint), SYNC, codec, combiner=combiner,
                              on_event=lambda kind, **fields: self.events.append({"kind": kind, **fields}))
 
@@ -113,7 +119,7 @@ class Node:
 
 @pytest.fixture
 def nodes():
-    nodes = [Node(f"peer-{i}") for i in range(4)]
+    nodes = [Node(SIGNERS[i]) for i in range(4)]
     yield nodes
     for node in nodes:
         node.close()
