@@ -171,14 +171,16 @@ class OwnerSlots:
             self._held[(group, round_, shard)] = (blob, list(contributors))
             self._cond.notify_all()
 
-    def held(self, group: str, round_: int, shard: int, timeout: float) -> tuple[bytes, list[str]] | None:
+    def held(self, group: str, round_: int, shard: int, timeout: float,
+             active=None) -> tuple[bytes, list[str]] | None:
+        """The held shard, waiting up to ``timeout`` for it while ``active()`` holds; None if not held."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while (group, round_, shard) not in self._held:
                 remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                if remaining <= 0 or (active is not None and not active()):
                     return None
-                self._cond.wait(remaining)
+                self._cond.wait(min(remaining, WAIT_SLICE_S))
             return self._held[(group, round_, shard)]
 
     def _forget_old(self, group: str) -> None:

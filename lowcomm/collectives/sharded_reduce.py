@@ -24,6 +24,7 @@ calls per sender are served at once; beyond that the call ends with RESOURCE_EXH
 from __future__ import annotations
 
 import logging
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -363,7 +364,9 @@ class ShardedReduce(Collective):
         yield from reply_chunks(reply, contributors, slot.round, slot.shard, self.codec, self.sync.chunk_bytes)
 
     def _serve_shard(self, request, context):
-        held = self.slots.held(request.group, request.round, request.shard, timeout=min(max(request.wait_s, 0), 5.0))
+        context.add_callback(self.slots.wake)
+        wait_s = min(max(request.wait_s, 0.0), 5.0) if math.isfinite(request.wait_s) else 0.0
+        held = self.slots.held(request.group, request.round, request.shard, timeout=wait_s, active=context.is_active)
         if held is None:
             yield wire_pb2.ReduceReply(status=wire_pb2.ReduceReply.NOT_READY, round=request.round,
                                        shard=request.shard, error="shard not held here")

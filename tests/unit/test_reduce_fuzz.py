@@ -99,3 +99,37 @@ def test_random_parts_are_refused_cleanly_or_accepted():
         check()
     finally:
         node.close()
+
+
+class EndedContext(Context):
+    """A call the client already cancelled."""
+
+    def is_active(self) -> bool:
+        return False
+
+
+def test_random_shard_requests_get_a_held_shard_or_not_ready_without_waiting_past_their_call():
+    node = Node(SIGNERS["owner"])
+    try:
+        reduce = node.reduce(Board(KEY.run, {OWNER, MEMBER}))
+        reduce.slots.hold(KEY.group, 7, 0, b"held-bytes", [OWNER, MEMBER])
+
+        def no_wait(*args):
+            raise AssertionError("a request waited after its call ended")
+
+        reduce.slots._cond.wait = no_wait
+
+        @settings(max_examples=200, deadline=None)
+        @given(group=st.sampled_from([KEY.group]) | st.text(max_size=20), round_=st.integers(0, 2**64 - 1),
+               shard=st.integers(0, 2**32 - 1), wait_s=st.floats(allow_nan=True, allow_infinity=True))
+        def check(group, round_, shard, wait_s):
+            request = wire_pb2.ShardRequest(run_id=KEY.run, group=group, round=round_, shard=shard, wait_s=wait_s)
+            replies = list(reduce._serve_shard(request, EndedContext()))  # a cancelled call waits for nothing
+            if (group, round_, shard) == (KEY.group, 7, 0):
+                assert replies[0].status == wire_pb2.ReduceReply.OK and replies[0].data == b"held-bytes"
+            else:
+                assert [r.status for r in replies] == [wire_pb2.ReduceReply.NOT_READY]
+
+        check()
+    finally:
+        node.close()
