@@ -43,6 +43,7 @@ from lowcomm.transport.wire import Channels, Traffic, start_server
 logger = logging.getLogger(__name__)
 CONFIG_TTL_S = 24 * 3600.0
 RUN_NAME_TTL_S = 180.0  # refreshed every minute: a run whose coordinator stopped drops off the list
+FOLLOW_S = 0.25  # how often the coordinator reads the rounds' manifests and votes
 
 
 class Coordinator:
@@ -146,16 +147,18 @@ class Coordinator:
     def serve_forever(self) -> None:
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, lambda *_: self.stop_requested.set())
-        refresh_at = 0.0
-        while not self.stop_requested.wait(1.0):
+        refresh_at = beat_at = 0.0
+        while not self.stop_requested.wait(FOLLOW_S):
             try:
                 if time.monotonic() >= refresh_at:
                     publish_run_config(self.control, self.config, version=1, ttl=CONFIG_TTL_S, epoch=self.epoch)
                     self.control.publish_run_name(ttl=RUN_NAME_TTL_S)
                     refresh_at = time.monotonic() + 60
-                self.control.publish_peer(self.record, self.config.sync.record_ttl_s)
-                self._follow_rounds()
-                self._maybe_checkpoint()
+                self._follow_rounds()  # often: a joiner waits for the anchor of the round it downloads
+                if time.monotonic() >= beat_at:
+                    self.control.publish_peer(self.record, self.config.sync.record_ttl_s)
+                    self._maybe_checkpoint()
+                    beat_at = time.monotonic() + 1.0
             except Exception as e:  # keep serving; a failed checkpoint is retried next time
                 logger.warning("coordinator loop: %s", e)
         self.shutdown()
@@ -165,8 +168,8 @@ class Coordinator:
             self.follower = self._follower(self.config.run.name, self._first_round)
         if self.follower is None:
             return
-        rounds = [r.round for r in self.control.live_peers().values() if r.state == "training"]
-        for anchor in self.follower.tick(max(rounds, default=0)):
+        training = [r for r in self.control.live_peers().values() if r.state == "training"]
+        for anchor in self.follower.tick(max((r.round for r in training), default=0), {r.peer_id for r in training}):
             logger.info("round %d: agreed φ hash %s of %d members", anchor.round, anchor.phi_hash, len(anchor.members))
 
     def _maybe_checkpoint(self) -> None:

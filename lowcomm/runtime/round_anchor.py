@@ -9,9 +9,10 @@ cannot move it.
 - A peer that knows no previous round (a joiner, a peer resyncing) and the coordinator's
   checkpointer take the hash from the **anchor**: the coordinator, whose key signed the run config,
   follows the manifests as every peer does (collectives.manifest: each counts only from a member
-  of the previous one) and, once every member of the manifest covering round R − 1 voted (or
+  of the previous one) and, once the members of the manifest covering round R − 1 voted (or
   `settle_s` passed), signs {R, the agreed hash of those members' votes, those members} under
-  `<run>.anchor.<group>.<R>` (`RoundFollower`).
+  `<run>.anchor.<group>.<R>` (`RoundFollower`). The votes count as complete once every one of
+  those members that is still training voted, or one hash holds more than half of them.
 - With no coordinator in the run, a joiner falls back to the majority of every vote published for
   the round (`agreed_hash` over all of them): that fallback is not defended against sybils.
 """
@@ -47,6 +48,15 @@ def agreed_hash(votes: dict[str, str]) -> str | None:
     return votes[min(p for p, h in votes.items() if counts[h] == most)]
 
 
+def _decided(votes: dict[str, str], members: frozenset[str], training: set[str]) -> bool:
+    """Whether no vote still to come can change ``agreed_hash``: every member that is training
+    (``training``: the ids of the live training records; a member resyncing or gone votes no more)
+    voted, or one hash holds more than half of all the members."""
+    if not votes:
+        return False
+    return not (members & training) - votes.keys() or max(Counter(votes.values()).values()) * 2 > len(members)
+
+
 def _key(control: ControlPlane, group: str, round_: int) -> str:
     return f"{control.run}.anchor.{group}.{round_}"
 
@@ -74,8 +84,10 @@ class RoundFollower:
     """The coordinator's view of one group's rounds: the manifest chain and each round's agreed hash.
 
     ``vote_every``: the rounds whose φ hash peers publish are its multiples (ddp and DeMo vote at
-    membership epochs). ``tick(newest)`` reads the manifests up to round ``newest`` - 1 (``newest``:
-    the highest round a training peer's record holds) and settles the rounds up to ``newest``.
+    membership epochs). ``tick(newest)`` (``newest``: the highest round a training peer's record
+    holds) reads the manifests as far as they are written, passing a round without one once the
+    run is past it, and settles each round whose previous manifest is known once its votes are
+    decided (`_decided`) or `settle_s` passed since it was first seen applied.
     """
 
     def __init__(self, control: ControlPlane, agreement: ManifestAgreement, group: str, settle_s: float,
@@ -87,32 +99,33 @@ class RoundFollower:
         self.anchors: dict[int, Anchor] = {}
         self._first_seen: dict[int, float] = {}
 
-    def tick(self, newest: int) -> list[Anchor]:
+    def tick(self, newest: int, training: set[str] = frozenset()) -> list[Anchor]:
+        """``training``: the ids of the live records in state training (the votes that may still come)."""
         self._walk(newest)
-        return self._settle(newest)
+        return self._settle(newest, set(training))
 
     def _walk(self, newest: int) -> None:
         for _ in range(WALK_BUDGET):
             round_ = self.next_manifest
-            if round_ >= newest:
-                return
             passed = newest > round_ + 1  # the run is past it: a manifest of it is written, if it has one
             if self.agreement.read(self.group, round_, fallback=passed) is None and not passed:
                 return  # not written yet
             self.next_manifest = round_ + 1  # none at all: a round inside an epoch, or one that failed
 
-    def _settle(self, newest: int) -> list[Anchor]:
+    def _settle(self, newest: int, training: set[str]) -> list[Anchor]:
         settled = []
-        while self.next_vote <= newest and self.next_manifest >= self.next_vote:
+        while self.next_manifest >= self.next_vote:  # the manifest of the round before is settled
             round_ = self.next_vote
             if round_ % self.vote_every:
                 self.next_vote += 1
                 continue
             members = self.agreement.trusted(self.group, round_)  # those of the newest manifest before it
             votes = {p: h for p, h in self.control.phi_hashes(self.group, round_).items() if p in (members or ())}
+            if not votes and newest < round_:
+                return settled  # round - 1 is not applied anywhere yet
             first = self._first_seen.setdefault(round_, time.monotonic())
-            if members is not None and not members <= votes.keys() and time.monotonic() - first < self.settle_s:
-                return settled  # a member's vote may still come
+            if members is not None and not _decided(votes, members, training) and time.monotonic() - first < self.settle_s:
+                return settled  # a member's vote may still change the outcome
             self._first_seen.pop(round_, None)
             self.next_vote += 1
             if votes:
