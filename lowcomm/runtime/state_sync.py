@@ -189,7 +189,9 @@ class StateSync:
             # the run ends before the next boundary: nothing left to join, stop as done
             self._end(self.config.run.steps, "late_at_end", round_)
             return
-        if not self.fetch(min_round=round_ + 1, prefer=sources):
+        if self.fetch(min_round=round_ + 1, prefer=sources):
+            self.membership.set(state="training")  # a source for others again, and shown as training
+        else:
             if ctx.stop.is_set():
                 return
             if not any(r.state == "training" for r in ctx.control.live_peers().values()):
