@@ -2,8 +2,8 @@
 
 A StageBackward runs an optimizer step's worth of gradient on the serving replica, so a stranger's
 call would train the stage on the stranger's objective. Every call is signed by its driver's key
-(transport.signing) and its sender must hold a live record of the run with a stage (a member of the
-pipeline). The set of such peers is read from the DHT at most every `refresh_s`, and once more, at
+(transport.signing) and its sender must hold a live record of the run (any state: a driver's
+record moves through parked, joining and training while it places itself). The set of such peers is read from the DHT at most every `refresh_s`, and once more, at
 most every `MISS_REFRESH_S`, when an unknown sender appears (a peer that joined since): a flood of
 unknown senders costs one DHT read per `MISS_REFRESH_S`, not one per call. A refused call is a
 `reject` event.
@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from lowcomm.transport.signing import Unauthenticated, Verifier, verify_message
 
-MISS_REFRESH_S = 1.0
+MISS_REFRESH_S = 0.25
 
 
 class StageCallRefused(ValueError):

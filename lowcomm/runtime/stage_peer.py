@@ -78,7 +78,7 @@ class StagePeer:
         self.server = StageServer(cfg, initial_stage(cfg.model, cfg.run.seed, 0, self.stages,
                                                      cfg.pipeline.replicate_ends), 0, self.slowdown, self.device)
         ctx.service.stage_handler = self.server
-        ctx.service.stage_guard = StageCallGuard(o.run_name, lambda: {r.peer_id for r in self._stage_records()},
+        ctx.service.stage_guard = StageCallGuard(o.run_name, lambda: set(ctx.control.live_peers()),
                                                  cfg.sync.heartbeat_s, ctx.log.event)
         ctx.compute_seconds = lambda: self.server.compute_s
         record = PeerRecord(self.me, ctx.endpoint, "parked" if o.start_file is not None else "joining",
