@@ -38,12 +38,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from simulate_launch import run_simulate  # beside this script (its folder is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]  # not put on sys.path: each revision's lowcomm is imported from its worktree
 
@@ -124,19 +125,7 @@ def run_row(payload: str, variant: str, rep: int, tree: Path, args) -> dict:
     cmd = [sys.executable, "-m", "lowcomm.cli", "simulate", "--config", str(config_path), "--peers", str(args.peers),
            "--report", str(report_path), "--run-dir", str(run_dir / "run")]
     t0 = time.time()
-    with open(run_dir / "simulate.log", "w") as log:
-        launcher = subprocess.Popen(cmd, cwd=tree, env=tree_env(tree), stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-        try:
-            rc = launcher.wait(timeout=args.timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(launcher.pid, signal.SIGTERM)  # the launcher kills its peers' groups, then exits
-            try:
-                launcher.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(launcher.pid, signal.SIGKILL)
-                launcher.wait()
-            rc = "timeout"
+    rc = run_simulate(cmd, tree, run_dir / "simulate.log", args.timeout_s, env=tree_env(tree))
     out = {"row": name, "payload": payload, "variant": variant, "rep": rep, "rev": getattr(args, variant),
            "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=tree, capture_output=True,
                                     text=True).stdout.strip(),

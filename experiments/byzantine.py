@@ -26,10 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,6 +36,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from lowcomm.runtime.byzantine import Kind  # noqa: E402
+from simulate_launch import run_simulate  # noqa: E402
 
 KINDS = [k.value for k in Kind]
 SMALL = {  # a run of ROUNDS rounds of H steps on a small GPT; only the final evaluation
@@ -90,18 +88,7 @@ def run_row(kind: str, f: int, aggregate: str, args) -> dict:
     if kind != "honest":
         cmd += ["--byzantine", f"{kind}:{f}"]
     t0 = time.time()
-    with open(run_dir / "simulate.log", "w") as log:
-        launcher = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = launcher.wait(timeout=args.timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(launcher.pid, signal.SIGTERM)  # the launcher kills its peers' groups, then exits
-            try:
-                launcher.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(launcher.pid, signal.SIGKILL)
-                launcher.wait()
-            rc = "timeout"
+    rc = run_simulate(cmd, REPO, run_dir / "simulate.log", args.timeout_s)
     out = {"row": name, "kind": kind, "f": f, "aggregate": aggregate, "peers": args.peers, "rounds_planned": args.rounds,
            "inner_steps": args.inner_steps, "seed": args.seed, "rc": rc, "row_wall_s": time.time() - t0,
            "report": str(report_path), "command": " ".join(cmd[1:])}
