@@ -57,19 +57,14 @@ def _decided(votes: dict[str, str], members: frozenset[str], training: set[str])
     return not (members & training) - votes.keys() or max(Counter(votes.values()).values()) * 2 > len(members)
 
 
-def _key(control: ControlPlane, group: str, round_: int) -> str:
-    return f"{control.run}.anchor.{group}.{round_}"
-
-
 def publish_anchor(control: ControlPlane, group: str, anchor: Anchor, ttl: float) -> None:
-    control._store(_key(control, group, anchor.round), {"peer_id": control.identity.peer_id, "round": anchor.round,
-                                                        "phi_hash": anchor.phi_hash,
-                                                        "members": list(anchor.members)}, ttl)
+    control.publish_anchor(group, anchor.round, {"round": anchor.round, "phi_hash": anchor.phi_hash,
+                                                 "members": list(anchor.members)}, ttl)
 
 
 def read_anchor(control: ControlPlane, coordinator: str, group: str, round_: int) -> Anchor | None:
     """The anchor of ``round_`` signed by ``coordinator``'s key (any other signer's is ignored); None if none."""
-    value = control._read(_key(control, group, round_)).get(coordinator)
+    value = control.anchors(group, round_).get(coordinator)
     if value is None:
         return None
     phi_hash, members = value.get("phi_hash"), value.get("members")

@@ -276,3 +276,11 @@ class ControlPlane:
     def phi_hashes(self, group: str, round_: int) -> dict[str, str]:
         return {p: v["hash"] for p, v in self._read(f"{self.run}.phi.{group}.{round_}").items()
                 if isinstance(v.get("hash"), str)}
+
+    def publish_anchor(self, group: str, round_: int, anchor: dict, ttl: float) -> None:
+        """The coordinator's signed anchor of ``round_`` (runtime.round_anchor says what it holds)."""
+        self._store(f"{self.run}.anchor.{group}.{round_}", {"peer_id": self.identity.peer_id, **anchor}, ttl)
+
+    def anchors(self, group: str, round_: int) -> dict[str, dict]:
+        """signer -> anchor record of ``round_``; the reader picks the coordinator's."""
+        return self._read(f"{self.run}.anchor.{group}.{round_}")
