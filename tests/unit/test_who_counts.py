@@ -68,11 +68,11 @@ class MemoryControl:
     def phi_hashes(self, group, round_):
         return dict(self.store.get(("phi", group, round_), {}))
 
-    def _store(self, key, value, ttl):
-        self._put(key, value)
+    def publish_anchor(self, group, round_, anchor, ttl):
+        self._put(("anchor", group, round_), {"peer_id": self.identity.peer_id, **anchor})
 
-    def _read(self, key):
-        return dict(self.store.get(key, {}))
+    def anchors(self, group, round_):
+        return dict(self.store.get(("anchor", group, round_), {}))
 
 
 def outsider_manifest(group: str, round_: int, members: list[str]) -> dict:
