@@ -6,7 +6,8 @@ aggregates, evaluates and serves state as usual. Only what it contributes on the
 through `Attack.tamper`, which returns what is sent instead, and each round it changed is logged as
 a `byzantine` event (round, kind, the honest and the sent norm and weight). Δ is the honest payload.
 
-    sign-flip       −Δ
+    sign-flip       −10Δ: reversed and tenfold (a plain −Δ only slows the mean of the honest
+                    members down; tenfold, two of eight turn it around)
     scale           Δ × 1e6
     noise           pure noise: a Gaussian vector rescaled to norm 10‖Δ‖, no Δ in it (drawn from
                     the member's id and the round)
@@ -41,7 +42,7 @@ from lowcomm.collectives.base import Collective, GroupKey, Handle
 from lowcomm.config import ConfigError
 
 SCALE = 1e6
-LARGE = 10.0  # noise and constant: this many times ‖Δ‖
+LARGE = 10.0  # sign-flip, noise and constant: this many times ‖Δ‖
 WEIGHT_FACTOR = 1e3
 CONSTANT_SEED = 0xB12A  # the colluders' shared direction
 DENSE_ALGOS = ("ddp", "diloco", "streaming-diloco")
@@ -125,7 +126,7 @@ class Attack:
             raise ConfigError(f"Byzantine kind {k.value} needs a dense payload (one tensor), not {type(payload).__name__}")
         delta = payload.detach().reshape(-1).to(torch.float32)
         if k is Kind.SIGN_FLIP:
-            return -delta, weight, True
+            return delta * -LARGE, weight, True
         if k is Kind.SCALE:
             return delta * SCALE, weight, True
         if k is Kind.NAN:

@@ -28,11 +28,11 @@ def tamper(kind: Kind, payload, weight: float = 64.0, round_: int = 3, member: s
 
 # ---- the transforms -----------------------------------------------------------------------------
 
-def test_sign_flip_sends_minus_delta_with_its_weight():
+def test_sign_flip_sends_minus_ten_delta_with_its_weight():
     d = delta()
     sent, weight, tampered = tamper(Kind.SIGN_FLIP, d)
     assert tampered and weight == 64.0
-    assert torch.equal(sent, -d)
+    assert torch.allclose(sent, -LARGE * d)
 
 
 def test_scale_multiplies_by_a_million():
@@ -130,14 +130,14 @@ def test_the_wrapper_lies_on_the_wire_logs_each_round_and_watches_the_aggregate(
     payloads = [torch.ones(6), torch.ones(6), torch.ones(6)]
     handles = [m.start(KEY, 0, p, 1.0) for m, p in zip(members, payloads)]
     results = [h.result(10.0) for h in handles]
-    for r in results:  # (1 + 1 − 1) / 3 on every member, the liar included
-        assert torch.allclose(r.aggregate, torch.full((6,), 1 / 3))
+    for r in results:  # (1 + 1 − 10) / 3 on every member, the liar included
+        assert torch.allclose(r.aggregate, torch.full((6,), -8 / 3))
     assert torch.equal(payloads[2], torch.ones(6))  # the caller's honest Δ is untouched
     assert stalls == [0]
     assert [kind for kind, _ in events] == ["byzantine"]
     fields = events[0][1]
     assert fields["round"] == 0 and fields["byzantine"] == "sign-flip" and fields["sent_weight"] == 1.0
-    assert math.isclose(fields["norm"], fields["sent_norm"])
+    assert math.isclose(fields["sent_norm"], LARGE * fields["norm"], rel_tol=1e-6)
 
 
 def test_a_copying_member_sends_the_aggregate_it_was_given():
