@@ -2,7 +2,7 @@
 
     python experiments/byzantine.py [--kinds ...] [--f 2 3] [--aggregates default mean] [--peers 8]
         [--rounds 10] [--inner-steps 10] [--seed 0] [--config TOML] [--aggregate-key KEY]
-        [--out experiments/out/byzantine] [--timeout-s 900] [--table-only]
+        [--noise-seeds 1 2] [--out experiments/out/byzantine] [--timeout-s 900] [--table-only]
 
 A row is one `lowcomm simulate` of DiLoCo with --peers processes, f of them Byzantine members of one
 kind (`simulate --byzantine KIND:f`, docs/simulation.md), under one aggregate: ``default`` (the run
@@ -14,9 +14,11 @@ two on 2 cores.
 
 Per row: the honest peers' final held-out loss (the report's `final_loss`, Byzantine members' own
 left out), its gap in % to the honest row under the default aggregate, the owners' `reject` events,
-the stalls (rounds in which some peer timed out, and "did not finish": a non-zero exit, a missing
-report, or fewer rounds than planned), the Byzantine members' `byzantine` events, and the row's
-wall time (start-up included). A row whose JSON exists under --out is skipped (resumable per row);
+the rounds in which some member was left out (a `timeout` event: its part was refused or late), the
+longest round's sync time against the reduce deadline (a round past it is a stall; "did not
+finish": a non-zero exit, a missing report, or fewer rounds than planned), the Byzantine members'
+`byzantine` events, and the row's wall time (start-up included). `--noise-seeds` adds honest rows
+at other seeds under the default aggregate: their spread is the seed noise a gap is read against. A row whose JSON exists under --out is skipped (resumable per row);
 OUT/table.md is rewritten after every row, listing the rows still missing; the runs' records go to
 OUT/runs/ (not in git).
 """
@@ -61,26 +63,28 @@ def rows(kinds: list[str], fs: list[int], aggregates: list[str]) -> list[tuple[s
     return [("honest", 0, a) for a in aggregates] + [(k, f, a) for k in kinds for f in fs for a in aggregates]
 
 
-def row_name(kind: str, f: int, aggregate: str, args) -> str:
+def row_name(kind: str, f: int, aggregate: str, args, seed: int | None = None) -> str:
     who = "honest" if kind == "honest" else f"{kind}-f{f}"
-    return f"{who}-{aggregate}-p{args.peers}-r{args.rounds}-h{args.inner_steps}-s{args.seed}"
+    return f"{who}-{aggregate}-p{args.peers}-r{args.rounds}-h{args.inner_steps}-s{args.seed if seed is None else seed}"
 
 
-def run_row(kind: str, f: int, aggregate: str, args) -> dict:
+def run_row(kind: str, f: int, aggregate: str, args, seed: int | None = None) -> dict:
     """One `lowcomm simulate` in its own process group; its figures (and where its report is)."""
     from lowcomm.config import load_config
 
-    name = row_name(kind, f, aggregate, args)
+    seed = args.seed if seed is None else seed
+    name = row_name(kind, f, aggregate, args, seed)
     run_dir = args.out / "runs" / name
     run_dir.mkdir(parents=True, exist_ok=True)
     overrides = ({} if args.config else dict(SMALL)) | {
-        "run.steps": args.rounds * args.inner_steps, "diloco.inner_steps": args.inner_steps, "run.seed": args.seed}
+        "run.steps": args.rounds * args.inner_steps, "diloco.inner_steps": args.inner_steps, "run.seed": seed}
     if aggregate != "default":
         if args.aggregate_key is None:
             raise SystemExit(f"aggregate {aggregate!r}: this tree's run config names no aggregate; give --aggregate-key")
         overrides[args.aggregate_key] = aggregate
     config_path = run_dir / "config.json"
-    config_path.write_text(json.dumps(load_config(args.config).override(overrides).to_dict(), indent=1))
+    config = load_config(args.config).override(overrides)
+    config_path.write_text(json.dumps(config.to_dict(), indent=1))
     report_path = run_dir / "report.json"
     report_path.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "lowcomm.cli", "simulate", "--config", str(config_path), "--peers", str(args.peers),
@@ -90,7 +94,7 @@ def run_row(kind: str, f: int, aggregate: str, args) -> dict:
     t0 = time.time()
     rc = run_simulate(cmd, REPO, run_dir / "simulate.log", args.timeout_s)
     out = {"row": name, "kind": kind, "f": f, "aggregate": aggregate, "peers": args.peers, "rounds_planned": args.rounds,
-           "inner_steps": args.inner_steps, "seed": args.seed, "rc": rc, "row_wall_s": time.time() - t0,
+           "inner_steps": args.inner_steps, "seed": seed, "rc": rc, "deadline_s": config.sync.reduce_timeout_s, "row_wall_s": time.time() - t0,
            "report": str(report_path), "command": " ".join(cmd[1:])}
     if report_path.exists():
         out.update(figures(json.loads(report_path.read_text())))
@@ -105,7 +109,8 @@ def figures(report: dict) -> dict:
             "byzantine_peers": report.get("byzantine", []), "rounds": len(report["rounds"]),
             "rejects": sum(e["kind"] == "reject" for e in events),
             "byzantine_events": sum(e["kind"] == "byzantine" for e in events),
-            "timeout_rounds": timeouts, "wall_s": report["wall_s"], "startup_s": report["startup_s"],
+            "timeout_rounds": timeouts, "longest_sync_s": max((r["sync_s"] for r in report["rounds"]), default=None),
+            "wall_s": report["wall_s"], "startup_s": report["startup_s"],
             "failed_peers": report.get("failed_peers", [])}
 
 
@@ -136,9 +141,16 @@ def write_table(out: Path, planned: list[tuple[str, int, str]], args) -> str:
     base = done.get(("honest", 0, "default", *same), {}).get("final_loss")
     lines = [f"Byzantine members, {args.peers} peers of DiLoCo, {args.rounds} rounds of H = {args.inner_steps}, "
              f"seed {args.seed}. Gap: the honest peers' final loss against the honest row under the default "
-             "aggregate.", "",
-             "| attack | f | aggregate | honest final loss | gap vs honest | rejects | stalls | byzantine events "
-             "| row wall (s) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "aggregate. Left out: rounds in which some member was left out (its part refused or late); "
+             "longest sync: the slowest round's sync time against the reduce deadline (past it: a stall).", ""]
+    noise = {s: done.get(("honest", 0, "default", *same[:3], s), {}).get("final_loss")
+             for s in [args.seed, *args.noise_seeds]}
+    if len(noise) > 1 and all(v is not None for v in noise.values()) and base:
+        gaps = ", ".join(f"seed {s}: {_gap(v, base)}" for s, v in noise.items() if s != args.seed)
+        lines += [f"Seed noise: the honest run under the default aggregate at other seeds, against seed {args.seed}: "
+                  f"{gaps}.", ""]
+    lines += ["| attack | f | aggregate | honest final loss | gap vs honest | rejects | left out | longest sync (s) "
+              "| byzantine events | row wall (s) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     missing = []
     for kind, f, aggregate in planned + sorted(k[:3] for k in done if k[3:] == same and k[:3] not in planned):
         row = done.get((kind, f, aggregate, *same))
@@ -146,11 +158,15 @@ def write_table(out: Path, planned: list[tuple[str, int, str]], args) -> str:
             missing.append(row_name(kind, f, aggregate, args))
             continue
         loss = row.get("final_loss")
-        stalls = [f"{len(row.get('timeout_rounds', []))} rounds with a timeout"] if row.get("timeout_rounds") else []
+        left_out = f"{len(row['timeout_rounds'])} rounds" if row.get("timeout_rounds") else "none"
+        longest, deadline = row.get("longest_sync_s"), row.get("deadline_s")
+        sync = "n/a" if longest is None else f"{longest:.1f}" + (f" of {deadline:g}" if deadline else "")
+        if deadline and longest is not None and longest > deadline:
+            sync += " (stall)"
         if not row.get("finished"):
-            stalls.append(f"did not finish (rc {row['rc']}, {row.get('rounds', 0)}/{row['rounds_planned']} rounds)")
+            sync += f"; did not finish (rc {row['rc']}, {row.get('rounds', 0)}/{row['rounds_planned']} rounds)"
         lines.append(f"| {kind} | {f} | {aggregate} | {_loss(loss)} | {_gap(loss, base)} | {row.get('rejects', 'n/a')} | "
-                     f"{'; '.join(stalls) or 'none'} | {row.get('byzantine_events', 'n/a')} | {row['row_wall_s']:.0f} |")
+                     f"{left_out} | {sync} | {row.get('byzantine_events', 'n/a')} | {row['row_wall_s']:.0f} |")
     if missing:
         lines += ["", f"Rows still missing: {', '.join(missing)}."]
     table = "\n".join(lines) + "\n"
@@ -168,6 +184,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--inner-steps", type=int, default=10, help="H")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--noise-seeds", nargs="*", type=int, default=[1, 2],
+                    help="honest rows at these seeds too (default aggregate): the seed noise")
     ap.add_argument("--config", type=Path, help="a run config (TOML) instead of the script's small run")
     ap.add_argument("--aggregate-key", default=None, help="run-config key of the aggregate (default: found in "
                     "lowcomm.config, e.g. diloco.aggregate)")
@@ -183,11 +201,12 @@ def main() -> int:
     if args.table_only:
         print(write_table(args.out, planned, args))
         return 0
-    todo = [r for r in planned if not (args.out / f"{row_name(*r, args)}.json").exists()]
-    print(f"{len(todo)} of {len(planned)} rows to run, one at a time", flush=True)
+    planned_runs = [(*r, args.seed) for r in planned] + [("honest", 0, "default", s) for s in args.noise_seeds]
+    todo = [r for r in planned_runs if not (args.out / f"{row_name(*r, args)}.json").exists()]
+    print(f"{len(todo)} of {len(planned_runs)} rows to run, one at a time", flush=True)
     took = []
-    for i, (kind, f, aggregate) in enumerate(todo):
-        result = run_row(kind, f, aggregate, args)
+    for i, (kind, f, aggregate, seed) in enumerate(todo):
+        result = run_row(kind, f, aggregate, args, seed)
         (args.out / f"{result['row']}.json").write_text(json.dumps(result, indent=1))
         took.append(result["row_wall_s"])
         left = len(todo) - i - 1
