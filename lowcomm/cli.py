@@ -72,6 +72,7 @@ def _add_peer(sub) -> None:
     join.add_argument("--stage", type=int, help="pipelined runs: serve this stage from the run's initial weights "
                       "(simulate's initial placement; default: the stage that needs a newcomer most)")
     join.add_argument("--slowdown", type=float, help=argparse.SUPPRESS)  # emulates a slower device
+    join.add_argument("--slowdown-file", type=Path, help=argparse.SUPPRESS)  # ... from when simulate writes it
     join.add_argument("--fault", help=argparse.SUPPRESS)
     join.add_argument("--byzantine", metavar="KIND", help=argparse.SUPPRESS)  # runtime.byzantine
     join.add_argument("--start-file", type=Path, help=argparse.SUPPRESS)
@@ -100,7 +101,12 @@ def _add_simulate(sub) -> None:
                                "[link.peers] exceptions still apply)")
     simulate.add_argument("--churn", metavar="SPEC",
                           help="inject churn: a schedule such as kill:1@r3,leave:1@r4,join:2@t30s (at round rN or "
-                               "N seconds tNs) or a rate such as 0.25/round (overrides churn.spec; none disables)")
+                               "N seconds tNs), also slow:1:4x@r5 (a peer 4x slower from then on), "
+                               "linkdown:1:15s@r6 (--netns: a peer's link down 15 s) and kill:all@r9 (every peer "
+                               "and the coordinator), or a rate such as 0.25/round (overrides churn.spec; none "
+                               "disables)")
+    simulate.add_argument("--resume", type=Path, metavar="DIR", help="the coordinator restarts the swarm from this "
+                          "checkpoint folder (a run dir's checkpoints/, e.g. after kill:all)")
     simulate.add_argument("--byzantine", metavar="KIND:N[,KIND:N]",
                           help="make N of the peers Byzantine members that lie on the wire as KIND: sign-flip, "
                                "scale, noise, constant, nan, inflate-weight, copy or replay (docs/simulation.md); "
@@ -223,12 +229,18 @@ def simulate(args) -> int:
     mode = " in network namespaces (htb caps)" if config.link.netns else ""
     stages = f" in {config.pipeline.stages} pipeline stages" if config.pipelined else ""
     byzantine = parse_byzantine(args.byzantine, args.peers)
+    if args.resume is not None:
+        from lowcomm.runtime.checkpoint import CheckpointError, load_checkpoint
+        try:
+            load_checkpoint(args.resume)
+        except CheckpointError as e:
+            raise ConfigError(f"--resume: {e}") from None
     liars = (", Byzantine " + ", ".join(f"peer-{i} ({kind.value})" for i, kind in sorted(byzantine.items()))
              if byzantine else "")
     print(f"simulating {args.peers} peers{stages}, algo {config.run.algo}, {config.run.steps} steps each, "
           f"links {', '.join(links)}{mode}{churn}{liars}; records in {run_dir}", file=sys.stderr)
     try:
-        report = Simulation(config, args.peers, run_dir, byzantine=byzantine).run()
+        report = Simulation(config, args.peers, run_dir, byzantine=byzantine, resume=args.resume).run()
     except NetnsUnavailable as e:
         print(f"lowcomm: --netns: {e}", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""Churn for `simulate --churn SPEC`: the spec's parser and the launcher-side executor.
+"""Churn for `simulate --churn SPEC`: the launcher-side executor (the parser is runtime.churn_spec).
 
 A spec is a schedule or a rate:
 
@@ -7,6 +7,14 @@ A spec is a schedule or a rate:
                                        graceful leave of N peers (SIGTERM), or N new joiners
     killstage:1@r4                     pipelines: kill -9 of every peer serving stage 1 (0-based),
                                        as the peers' latest `stage` events say
+    slow:1:4x@r5                       N peers become K times slower devices from then on (default
+                                       4x): each peer's compute is stretched K-fold (`slowdown` event)
+    linkdown:1:15s@r6                  --netns only: N peers' links go down for D seconds (default
+                                       10 s; `ip link set` on the host end of each one's veth, as a
+                                       cable pulled), then up again (`linkup` event)
+    kill:all@r9                        kill -9 of every process group: the peers, parked joiners and
+                                       the coordinator (a whole-swarm crash; resume with
+                                       `simulate --resume RUN_DIR/checkpoints`)
     0.25/round                         each round, round(F x live peers) (at least 1) peers killed
                                        and as many new joiners released
 
@@ -16,26 +24,28 @@ membership epoch (`ddp.epoch_steps`), and only while a joiner can still enter a 
 are drawn by one RNG seeded with run.seed, in event order, from the swarm's members (the first
 peers, and joiners once they hold the global state) in index order, so a spec and a seed name the
 same victims. At least one member is always kept: joiners download the global state from one.
+A slow peer is told through its slowdown file (`peer join --slowdown-file`, RUN_DIR/slowdown-I,
+read before each step), so it stays the same process with the same state and links.
 
 Joiners are started ahead and parked at their own start file, so a join measures lowcomm, not
 Python's start-up; the rate form keeps a pool of parked joiners ahead of need, and a join is
 released only to a parked, ready joiner (owed until one is). A join is skipped when the run ends
 before the joiner could enter a round. Every action is written as an event (`kill`, `leave`,
-`join`, `skip`, with `by: "churn"`) to launcher/churn.jsonl in the run folder, which the report
-reads beside the peers' records.
+`join`, `slow`, `linkdown`, `linkup`, `skip`, with `by: "churn"`) to launcher/churn.jsonl in the
+run folder, which the report reads beside the peers' records.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import random
-import re
 import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from lowcomm.runtime.churn_spec import ChurnAction, ChurnConfig, ChurnPlan, ChurnSpecError, parse_churn
 from lowcomm.runtime.runlog import RunLog
 
 if TYPE_CHECKING:
@@ -43,83 +53,8 @@ if TYPE_CHECKING:
     from lowcomm.runtime.sim import Simulation
 
 logger = logging.getLogger(__name__)
-ACTIONS = ("kill", "leave", "join", "killstage")
-ACCEPTED_FORMS = ("a schedule of ACTION:N@rROUND or ACTION:N@tSECONDSs, comma-separated, ACTION one of "
-                  "kill, leave, join or killstage (N: a stage index; e.g. 'kill:1@r3,leave:1@r4,join:2@t30s,killstage:1@r6'), or a rate F/round with "
-                  "0 < F <= 1 (e.g. '0.25/round'), or 'none'")
-_ACTION = re.compile(r"^(?P<action>[a-z]+):(?P<count>\d+)@(?:r(?P<round>\d+)|t(?P<seconds>\d+(?:\.\d+)?)s)$")
-_RATE = re.compile(r"^(?P<fraction>\d*\.?\d+)/rounds?$")
-
-
-@dataclass
-class ChurnConfig:
-    """The [churn] section: injected churn for `simulate` (`simulate --churn` overrides it).
-
-        [churn]
-        spec = "kill:1@r3,leave:1@r4,join:2@t30s"   # or a rate: "0.25/round"; "" = none
-    """
-
-    spec: str = ""
-
-
-class ChurnSpecError(ValueError):
-    """A --churn spec (or [churn] spec) does not parse; the message lists the accepted forms."""
-
-
-@dataclass(frozen=True)
-class ChurnAction:
-    action: str  # kill | leave | join
-    count: int
-    round: int | None = None  # fires once the swarm reaches this round ...
-    seconds: float | None = None  # ... or this many seconds after training started
-
-    def due(self, swarm_round: int, elapsed_s: float) -> bool:
-        if self.round is not None:
-            return swarm_round >= self.round
-        return elapsed_s >= self.seconds
-
-    def __str__(self) -> str:
-        at = f"r{self.round}" if self.round is not None else f"t{self.seconds:g}s"
-        return f"{self.action}:{self.count}@{at}"
-
-
-@dataclass(frozen=True)
-class ChurnPlan:
-    actions: tuple[ChurnAction, ...] = ()
-    rate: float | None = None  # fraction of live peers replaced each round
-
-    @property
-    def scheduled_joiners(self) -> int:
-        return sum(a.count for a in self.actions if a.action == "join")
-
-    def __str__(self) -> str:
-        return f"{self.rate:g}/round" if self.rate is not None else ",".join(map(str, self.actions))
-
-
-def parse_churn(spec: str | None) -> ChurnPlan | None:
-    """The plan a spec describes; None for no churn ("", "none", "off")."""
-    text = (spec or "").strip().lower()
-    if text in ("", "none", "off"):
-        return None
-    rate = _RATE.match(text)
-    if rate:
-        fraction = float(rate["fraction"])
-        if not 0 < fraction <= 1:
-            raise ChurnSpecError(f"churn rate {fraction:g}/round is outside (0, 1]; use {ACCEPTED_FORMS}")
-        return ChurnPlan(rate=fraction)
-    actions = []
-    for part in text.split(","):
-        match = _ACTION.match(part.strip())
-        if not match:
-            raise ChurnSpecError(f"cannot read {part.strip()!r} in churn spec {spec!r}; use {ACCEPTED_FORMS}")
-        if match["action"] not in ACTIONS:
-            raise ChurnSpecError(f"unknown churn action {match['action']!r} in {part.strip()!r}; use {ACCEPTED_FORMS}")
-        if int(match["count"]) < 1 and match["action"] != "killstage":
-            raise ChurnSpecError(f"{part.strip()!r}: the count of peers must be at least 1; use {ACCEPTED_FORMS}")
-        actions.append(ChurnAction(match["action"], int(match["count"]),
-                                   int(match["round"]) if match["round"] is not None else None,
-                                   float(match["seconds"]) if match["seconds"] is not None else None))
-    return ChurnPlan(actions=tuple(actions))
+__all__ = ["ChurnAction", "ChurnConfig", "ChurnExecutor", "ChurnPlan", "ChurnSpecError", "choose_victims",
+           "parse_churn", "rate_count", "swarm_round"]
 
 
 def rate_count(rate: float, live: int) -> int:
@@ -164,6 +99,9 @@ class ChurnExecutor:
         self.rate_rounds: set[int] = set()
         self.log = RunLog(Path(sim.run_dir) / "launcher" / "churn.jsonl", "launcher")
         self.started_at: float | None = None
+        self.slowed: set[str] = set()  # names of the peers made slower
+        self.down: list[tuple[float, "Process", str]] = []  # links down: (up again at, process, what asked)
+        self.ended = False  # kill:all fired: nothing more to do
 
     # ---- the pool of parked joiners ----------------------------------------------------------
 
@@ -198,8 +136,11 @@ class ChurnExecutor:
     # ---- during training ---------------------------------------------------------------------
 
     def poll(self, records: list[dict]) -> None:
+        if self.ended:
+            return
         round_ = swarm_round(records)
         elapsed = self.clock() - self.started_at
+        self._links_up(round_, records)
         due = [a for a in self.pending if a.due(round_, elapsed)]
         self.pending = [a for a in self.pending if a not in due]
         for action in due:
@@ -207,6 +148,13 @@ class ChurnExecutor:
                 self._owe(action.count, round_, str(action))
             elif action.action == "killstage":
                 self._kill_stage(action.count, round_, records, str(action))
+            elif action.action == "slow":
+                self._slow(action, round_, records)
+            elif action.action == "linkdown":
+                self._link_down(action, round_, records)
+            elif action.action == "killall":
+                self._kill_all(round_, records, str(action))
+                return
             else:
                 self._remove(action.action, action.count, round_, records, str(action))
         if self.plan.rate is not None and round_ >= 1 and round_ % self.epoch_rounds == 0 \
@@ -292,11 +240,64 @@ class ChurnExecutor:
             self.removed[process.name] = "kill"
             self._event("kill", peer=ids.get(process.index), name=process.name, round=round_, at=at, stage=stage)
 
+    def _slow(self, action: ChurnAction, round_: int, records: list[dict]) -> None:
+        """Makes seeded members `factor` times slower through their slowdown files (runtime.peer reads them)."""
+        members = [p for p in self._members(records) if p.name not in self.slowed]
+        ids = self.sim.peer_ids(records)
+        for process in self._victims(action, members, round_):
+            path = Path(self.sim.run_dir) / f"slowdown-{process.index}"
+            path.with_suffix(".tmp").write_text(f"{action.factor:g}\n")
+            os.replace(path.with_suffix(".tmp"), path)
+            self.slowed.add(process.name)
+            self._event("slow", peer=ids.get(process.index), name=process.name, round=round_, at=str(action),
+                        factor=action.factor)
+
+    def _link_down(self, action: ChurnAction, round_: int, records: list[dict]) -> None:
+        """Takes seeded members' links down (namespace mode) until `down_s` seconds from now."""
+        down = {p.name for _, p, _ in self.down}
+        members = [p for p in self._members(records) if p.name not in down]
+        ids = self.sim.peer_ids(records)
+        for process in self._victims(action, members, round_):
+            self.sim.set_link(process.name, up=False)
+            self.down.append((self.clock() + action.down_s, process, str(action)))
+            self._event("linkdown", peer=ids.get(process.index), name=process.name, round=round_, at=str(action),
+                        down_s=action.down_s)
+
+    def _links_up(self, round_: int, records: list[dict], everything: bool = False) -> None:
+        """Brings up the links whose time is over (`everything`: all that are down)."""
+        ids, now = self.sim.peer_ids(records), self.clock()
+        for entry in [e for e in self.down if everything or e[0] <= now]:
+            self.down.remove(entry)
+            _, process, at = entry
+            self.sim.set_link(process.name, up=True)
+            self._event("linkup", peer=ids.get(process.index), name=process.name, round=round_, at=at)
+
+    def _victims(self, action: ChurnAction, candidates: list["Process"], round_: int) -> list["Process"]:
+        """`action.count` seeded victims among `candidates` (one always spared); a `skip` event for the rest."""
+        chosen = set(choose_victims(self.rng, [p.name for p in candidates], action.count))
+        if len(chosen) < action.count:
+            self._event("skip", action=action.action, count=action.count - len(chosen), round=round_, at=str(action),
+                        reason=f"only {len(candidates)} peers to choose from; at least one is spared")
+        return [p for p in candidates if p.name in chosen]
+
+    def _kill_all(self, round_: int, records: list[dict], at: str) -> None:
+        """kill -9 of every process group of the run: each peer (parked joiners too) and the coordinator."""
+        ids = self.sim.peer_ids(records)
+        for process in [p for p in self.running + self.spares if p.popen.poll() is None]:
+            process.kill_group(signal.SIGKILL)
+            self.removed[process.name] = "kill"
+            self._event("kill", peer=ids.get(process.index), name=process.name, round=round_, at=at)
+        self.sim.coordinator.kill_group(signal.SIGKILL)
+        self._event("kill", peer="coordinator", name="coordinator", round=round_, at=at)
+        self.live, self.spares, self.ended = [], [], True
+
     # ---- after training ----------------------------------------------------------------------
 
     def close(self, records: list[dict]) -> None:
         """Logs what never fired and ends the joiners that were never released."""
         round_ = swarm_round(records)
+        if self.down and not self.ended:
+            self._links_up(round_, records, everything=True)
         for action in self.pending:
             self._event("skip", action=action.action, count=action.count, round=round_, at=str(action),
                         reason="the run ended first")
@@ -311,7 +312,8 @@ class ChurnExecutor:
         return {"spec": str(self.plan),
                 "killed": sorted(n for n, a in self.removed.items() if a == "kill"),
                 "left": sorted(n for n, a in self.removed.items() if a == "leave"),
-                "joined": sorted(p.name for p in self.running if p.index is not None and p.index >= self.sim.peers)}
+                "joined": sorted(p.name for p in self.running if p.index is not None and p.index >= self.sim.peers),
+                "slowed": sorted(self.slowed)}
 
     def _event(self, kind: str, **fields) -> None:
         logger.info("churn: %s %s", kind, fields)

@@ -56,7 +56,8 @@ class PeerOptions:
     link: LinkSpec | None = None  # emulated access link for all data-plane traffic (None: unshaped)
     dht_host: str | None = None  # address the DHT (p2pd) listens on; None: `host`
     stage: int | None = None  # pipelines: the stage to start serving from φ_0 (simulate's initial placement)
-    slowdown: float = 1.0  # pipelines, emulation: each computation keeps the peer busy this many times as long
+    slowdown: float = 1.0  # emulation: each computation keeps the peer busy this many times as long
+    slowdown_file: Path | None = None  # emulation: a file whose number, once it exists, replaces `slowdown`
 
 
 def read_profile(path: str | Path) -> dict[str, Any]:

@@ -82,6 +82,8 @@ class TrainingPeer:
         device = pick_device(o.device)
         shard = o.data_shard if o.data_shard is not None else int(ctx.me, 16) % o.num_shards
         self.trainer = (trainer or LocalTrainer)(config, shard, o.num_shards, device)
+        self.trainer.slowdown = o.slowdown
+        self._slowdown_read: int | None = None  # the slowdown file's mtime when it was read
         ctx.compute_seconds = lambda: self.trainer.compute_s
         self.progress = Progress()
         # a parked peer is connected but not in the run yet: no round waits for it
@@ -161,6 +163,7 @@ class TrainingPeer:
         first_step_t = None
         while p.step < total and not self.ctx.stop.is_set():
             first_step_t = first_step_t or time.time()
+            self._read_slowdown()
             self._train_loss = self.trainer.forward_backward()
             if not self._timed("sync", self._sync, r.on_gradients, p.step):
                 continue  # the state was replaced: its step is where this replica stands now
@@ -183,6 +186,19 @@ class TrainingPeer:
         if not self.ctx.stop.is_set():
             self._finish()
         log.event("done" if p.step >= total else "stopped", round=r.round, step=p.step)
+
+    def _read_slowdown(self) -> None:
+        """Emulation: the factor in --slowdown-file once it exists (simulate's churn makes a peer slower)."""
+        path = self.ctx.options.slowdown_file
+        try:
+            changed = path is not None and path.stat().st_mtime_ns != self._slowdown_read
+            if changed:
+                self._slowdown_read, factor = path.stat().st_mtime_ns, float(path.read_text())
+        except (OSError, ValueError):  # not written yet
+            return
+        if changed and factor >= 1:
+            self.trainer.slowdown = factor
+            self.ctx.log.event("slowdown", factor=factor, round=self.replica.round, step=self.progress.step)
 
     def _status_line(self) -> str:
         p, t = self.progress, self.ctx.traffic

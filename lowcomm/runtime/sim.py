@@ -5,7 +5,8 @@ launcher kills each group (so a DHT helper or p2pd never outlives its peer) and 
 nothing is left. Progress comes from the peers' JSONL records; the report is built from them.
 Each peer gets its emulated link from the config's [link] section as its own `--link` flag.
 With a churn plan (runtime.churn), joiners are started ahead and parked, and the wait loop applies
-the plan's kills, leaves and joins as the swarm's rounds advance. Peers named in `byzantine` (by
+the plan's actions (kills, leaves, joins, slow peers, links down) as the swarm's rounds advance;
+`resume` restarts the swarm from a coordinator's checkpoint folder. Peers named in `byzantine` (by
 index; `simulate --byzantine KIND:N`) start with `--byzantine KIND` (runtime.byzantine).
 
 Namespace mode (`--netns`, `[link] netns = true`; Linux and root) runs each process through
@@ -66,6 +67,8 @@ class Simulation:
     slowdowns: dict[int, float] = field(default_factory=dict)  # pipelines: emulated slower peers, by index
     stage_of: dict[int, int] | None = None  # pipelines: initial stage by peer index (default: index mod S)
     byzantine: dict[int, Kind] = field(default_factory=dict)  # Byzantine members' kinds, by peer index
+    resume: Path | None = None  # a checkpoint folder the coordinator restarts the swarm from (--resume)
+    slowdown_files: bool = False  # peers read RUN_DIR/slowdown-I (churn's slow action): set by churn_executor
     processes: list[Process] = field(default_factory=list)
     lab: NetnsLab | None = None  # namespace mode: opened by open_lab() (or the first process), closed by close()
     node_indices: dict[str, int | None] = field(default_factory=dict)  # node name -> peer index (None: coordinator)
@@ -93,6 +96,10 @@ class Simulation:
             return existing
         self.node_indices[name] = index
         return lab.add_node(name, rate=rate_bits)
+
+    def set_link(self, name: str, up: bool) -> None:
+        """Namespace mode: the link of the process called `name` down (a cable pulled) or up again."""
+        self.lab.set_link(next(node for node in self.lab.nodes if node.name == name), up)
 
     def close_lab(self) -> None:
         """Kills whatever is left in the lab, snapshots its counters and removes it (NetnsError if it cannot)."""
@@ -206,6 +213,8 @@ class Simulation:
         if self.config.pipelined and index < self.peers:  # the initial placement; joiners pick their stage
             stage = (self.stage_of or {}).get(index, index % self.config.pipeline.stages)
             args += ["--stage", str(stage)]
+        if self.slowdown_files:
+            args += ["--slowdown-file", str(self.run_dir / f"slowdown-{index}")]
         if self.slowdowns.get(index, 1.0) != 1.0:
             args += ["--slowdown", str(self.slowdowns[index])]
         if index in self.byzantine:
@@ -278,10 +287,18 @@ class Simulation:
                           if node.pids()]
         return survivors
 
-    def churn_executor(self) -> ChurnExecutor | None:
+    def churn_plan(self) -> ChurnPlan | None:
+        """The churn plan (given, or the config's [churn] spec); ConfigError for linkdown without namespaces."""
         plan = self.churn if self.churn is not None else parse_churn(self.config.churn.spec)
+        if plan is not None and "linkdown" in plan.uses and not self.use_netns:
+            raise ConfigError("churn action linkdown takes a peer's veth down in namespace mode only: add --netns")
+        return plan
+
+    def churn_executor(self) -> ChurnExecutor | None:
+        plan = self.churn_plan()
         if plan is None:
             return None
+        self.slowdown_files = "slow" in plan.uses
         return ChurnExecutor(plan, self, seed=self.config.run.seed, total_rounds=self.config.total_rounds,
                              epoch_rounds=self.config.ddp.epoch_steps if self.config.per_step else 1)
 
@@ -293,7 +310,7 @@ class Simulation:
             with terminate_raises():
                 self.check_model_and_data()
                 self.open_lab()  # where namespaces cannot be made, nothing has started
-                self.start_coordinator()
+                self.start_coordinator(resume=self.resume)
                 churn = self.churn_executor()
                 self.start_file.unlink(missing_ok=True)
                 peers = [self.start_peer(i) for i in range(self.peers)]
@@ -339,8 +356,9 @@ class Simulation:
 
     def check_model_and_data(self) -> None:
         """Byzantine kinds fit the algorithm, the [model] factory imports and builds a module, the [data]
-        corpus loads and fits the model (a text folder's cache is built here, once): ConfigError before
-        any process starts."""
+        corpus loads and fits the model (a text folder's cache is built here, once), the churn plan fits the
+        mode: ConfigError before any process starts."""
+        self.churn_plan()
         for kind in set(self.byzantine.values()):
             check_supported(Kind(kind), self.config.run.algo, self.config.pipelined)
         model = self.config.model

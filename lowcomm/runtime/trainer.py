@@ -48,6 +48,7 @@ class Trainer:
         self.loss_fn = loss_fn or next_token_loss
         self.compute_s = 0.0
         self.skipped_steps = 0  # steps whose gradient was not finite (dropped before any sync or update)
+        self.slowdown = 1.0  # emulation of a slower device: each computation takes this many times as long
         if loss_fn is None:  # the default rule: the logits must cover the targets' ids
             self._check_logits(*self.eval_batches[0])
 
@@ -74,12 +75,19 @@ class Trainer:
             self.inner.clip()
         except NonFiniteGradient:  # the gradients are dropped: this step contributes nothing
             self.skipped_steps += 1
-        self.compute_s += time.perf_counter() - t0
-        return loss.item()
+        value = loss.item()
+        self._account(t0)
+        return value
 
     def optimizer_step(self, step: int) -> None:
         t0 = time.perf_counter()
         self.inner.step(step)
+        self._account(t0)
+
+    def _account(self, t0: float) -> None:
+        """Adds the computation begun at `t0` to compute_s, stretched `slowdown` times (a slower device)."""
+        if self.slowdown > 1:
+            time.sleep((self.slowdown - 1) * (time.perf_counter() - t0))
         self.compute_s += time.perf_counter() - t0
 
     def evaluate(self) -> float:

@@ -230,6 +230,11 @@ class NetnsLab:
         _tc_batch(_htb_commands(node.host_veth, params, self.control_net, new=False))
         node.rate_bits = rate_bits
 
+    def set_link(self, node: Node, up: bool) -> None:
+        """Takes the host end of the node's veth down (the node's eth0 loses its carrier, as with a cable
+        pulled: nothing goes in or out, its addresses, routes and caps stay) or up again."""
+        _ip_batch([f"link set {node.host_veth} {'up' if up else 'down'}"])
+
     def refuse_inbound(self, node: Node) -> None:
         """After this call nobody can open a TCP connection to `node` (its SYN-ACKs are dropped), on either
         plane; the connections it opens work as before. It stands for a peer behind NAT or a firewall."""

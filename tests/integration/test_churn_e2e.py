@@ -39,7 +39,8 @@ def test_simulate_with_a_kill_a_joiner_and_a_leave(tmp_path):
     assert kill["name"] == expected_kill
     survivors = [n for n in ("peer-0", "peer-1", "peer-2") if n != expected_kill]
     assert leave["name"] == choose_victims(rng, survivors + ["peer-3"], 1)[0]
-    assert report["churn"] == {"spec": SPEC, "killed": [kill["name"]], "left": [leave["name"]], "joined": ["peer-3"]}
+    assert report["churn"] == {"spec": SPEC, "killed": [kill["name"]], "left": [leave["name"]], "joined": ["peer-3"],
+                              "slowed": []}
     assert any(e["kind"] == "timeout" for e in report["events"])  # the swarm went on without the dead peer
 
     rows = {row["round"]: row for row in report["rounds"]}

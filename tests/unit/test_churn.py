@@ -14,6 +14,7 @@ import pytest
 from lowcomm.config import ConfigError, default_config, load_config
 from lowcomm.runtime.churn import (ChurnAction, ChurnExecutor, ChurnPlan, ChurnSpecError, choose_victims,
                                    parse_churn, rate_count, swarm_round)
+from lowcomm.runtime.churn_spec import DOWN_S, SLOW_FACTOR
 from lowcomm.runtime.runlog import read_records
 from lowcomm.runtime.sim import Simulation
 
@@ -55,6 +56,32 @@ def test_bad_specs_name_the_accepted_forms(spec, says):
     with pytest.raises(ChurnSpecError, match=says) as error:
         parse_churn(spec)
     assert "kill:1@r3,leave:1@r4,join:2@t30s" in str(error.value) or "kill, leave, join" in str(error.value)
+
+
+def test_slow_linkdown_and_kill_all_parse_with_their_arguments():
+    plan = parse_churn("slow:1:3x@r5,linkdown:2:15s@t20s,kill:all@r9,slow:1@r2,linkdown:1:2.5s@r3")
+    assert plan.actions == (ChurnAction("slow", 1, round=5, factor=3.0), ChurnAction("linkdown", 2, seconds=20.0, down_s=15.0),
+                            ChurnAction("killall", 0, round=9), ChurnAction("slow", 1, round=2, factor=SLOW_FACTOR),
+                            ChurnAction("linkdown", 1, round=3, down_s=2.5))
+    assert str(plan) == f"slow:1:3x@r5,linkdown:2:15s@t20s,kill:all@r9,slow:1:{SLOW_FACTOR:g}x@r2,linkdown:1:2.5s@r3"
+    assert parse_churn(str(plan)) == plan
+    assert parse_churn("linkdown:1@r3").actions[0].down_s == DOWN_S
+    assert plan.uses == {"slow", "linkdown", "killall"} and parse_churn("0.5/round").uses == {"kill", "join"}
+
+
+@pytest.mark.parametrize("spec, says", [
+    ("slow:1:1x@r5", "above 1"),
+    ("slow:1:5s@r5", "slow takes a factor ':Kx'"),
+    ("linkdown:1:4x@r3", "linkdown takes a duration ':Ds'"),
+    ("linkdown:1:0s@r3", "more than 0 s"),
+    ("kill:1:3x@r3", "kill takes no ':' argument"),
+    ("leave:all@r3", "only kill takes 'all'"),
+    ("slow:0@r3", "at least 1"),
+    ("kill:all@r", "cannot read"),
+])
+def test_bad_arguments_say_what_the_action_takes(spec, says):
+    with pytest.raises(ChurnSpecError, match=says):
+        parse_churn(spec)
 
 
 def test_actions_fire_by_round_or_by_time():
@@ -120,6 +147,11 @@ class FakeSim:
 
     def __init__(self, run_dir: Path, peers: int):
         self.run_dir, self.peers, self.started = run_dir, peers, []
+        self.coordinator = FakeProcess("coordinator", None)
+        self.links: list[tuple[str, bool]] = []
+
+    def set_link(self, name, up):
+        self.links.append((name, up))
 
     def start_peer(self, index, park=True, start_file=None):
         process = FakeProcess(f"peer-{index}", index, start_file)
@@ -181,7 +213,7 @@ def test_schedule_executor_kills_leaves_and_releases_parked_joiners(tmp_path):
     assert [(e["kind"], e["round"]) for e in events] == [("kill", 2), ("join", 3), ("leave", 4), ("join", 5)]
     assert events[0]["peer"] == f"id{victim.index}" and events[1]["peer"] == "id3" and events[1]["due_round"] == 3
     assert executor.summary() == {"spec": "kill:1@r2,join:1@r3,leave:1@r4,join:1@t50s", "killed": [victim.name],
-                                  "left": [leavers[0].name], "joined": ["peer-3", "peer-4"]}
+                                  "left": [leavers[0].name], "joined": ["peer-3", "peer-4"], "slowed": []}
 
 
 def test_same_seed_same_victims(tmp_path):
@@ -251,6 +283,57 @@ def test_ddp_rate_fires_once_per_membership_epoch(tmp_path):
     for n in range(41):
         executor.poll(id_records(range(8)) + holds_state(*range(8)) + rounds_done(n))
     assert [e["round"] for e in churn_events(tmp_path) if e["kind"] == "kill"] == [10, 20]
+
+
+def test_slow_peers_are_told_through_their_file_and_links_come_back_up_on_time(tmp_path):
+    sim, clock = FakeSim(tmp_path, 4), [0.0]
+    executor = ChurnExecutor(parse_churn("slow:1:3x@r1,linkdown:2:10s@r2,slow:1@r3"), sim, seed=0, total_rounds=10,
+                             clock=lambda: clock[0])
+    peers = [FakeProcess(f"peer-{i}", i) for i in range(4)]
+    executor.begin(list(peers))
+    ids = id_records(range(4))
+    executor.poll(ids + rounds_done(1))
+    [slow] = [e for e in churn_events(tmp_path) if e["kind"] == "slow"]
+    assert slow["factor"] == 3.0 and (tmp_path / f"slowdown-{slow['name'][5:]}").read_text() == "3\n"
+    clock[0] = 5.0
+    executor.poll(ids + rounds_done(2))
+    down = [name for name, up in sim.links if not up]
+    assert len(down) == 2 and len(set(down)) == 2 and not any(p.killed for p in peers)  # they stay members
+    clock[0] = 14.9
+    executor.poll(ids + rounds_done(3))  # the second slow action picks a peer not slowed yet
+    assert len(sim.links) == 2 and len({e["name"] for e in churn_events(tmp_path) if e["kind"] == "slow"}) == 2
+    clock[0] = 15.0
+    executor.poll(ids + rounds_done(3))
+    assert sorted(sim.links[2:]) == sorted((name, True) for name in down)
+    kinds = [e["kind"] for e in churn_events(tmp_path)]
+    assert kinds == ["slow", "linkdown", "linkdown", "slow", "linkup", "linkup"]
+    assert executor.summary()["slowed"] == sorted(e["name"] for e in churn_events(tmp_path) if e["kind"] == "slow")
+
+
+def test_kill_all_kills_every_group_and_the_coordinator_then_nothing_more(tmp_path):
+    sim = FakeSim(tmp_path, 3)
+    executor = ChurnExecutor(parse_churn("join:1@r5,kill:all@r2,kill:1@r3"), sim, seed=0, total_rounds=10)
+    [spare] = executor.start_spares()
+    peers = [FakeProcess(f"peer-{i}", i) for i in range(3)]
+    executor.begin(list(peers))
+    executor.poll(id_records(range(4)) + rounds_done(2))
+    assert all(p.killed for p in peers) and spare.killed and sim.coordinator.killed
+    executor.poll(id_records(range(4)) + rounds_done(3))
+    assert len(sim.started) == 1  # no new joiner is started after it
+    executor.close(id_records(range(4)) + rounds_done(3))
+    events = churn_events(tmp_path)
+    assert [e["name"] for e in events if e["kind"] == "kill"] == ["peer-0", "peer-1", "peer-2", "peer-3", "coordinator"]
+    assert [e["at"] for e in events if e["kind"] == "skip"] == ["join:1@r5", "kill:1@r3"]
+    assert executor.summary()["killed"] == ["peer-0", "peer-1", "peer-2", "peer-3"]
+
+
+def test_linkdown_needs_namespace_mode(capsys):
+    from lowcomm.cli import main
+    sim = Simulation(default_config(), 2, Path("/nonexistent"), churn=parse_churn("linkdown:1@r2"), netns=False)
+    with pytest.raises(ConfigError, match="--netns"):
+        sim.churn_plan()
+    assert main(["simulate", "--churn", "linkdown:1@r2", "--report", "/nonexistent/r.json"]) == 2
+    assert "namespace mode only: add --netns" in capsys.readouterr().err
 
 
 # ---- config and flags -------------------------------------------------------------------------

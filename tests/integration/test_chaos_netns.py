@@ -1,0 +1,61 @@
+"""Chaos in namespace mode with real processes: one peer's link taken down (`linkdown`) for longer
+than the reduce deadline while the others go on, and one peer made slower (`slow`). Assertions are
+on events and contributor lists, never on durations; every wait has a deadline. Skipped without
+root or network namespaces, like the other netns tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from lowcomm.config import default_config
+from lowcomm.runtime.sim import Simulation
+from lowcomm.transport import netns
+from lowcomm.transport.netns import lab_objects, unavailable_reason
+
+H, ROUNDS, DOWN_ROUND = 5, 8, 2
+SPEC = f"slow:1:2x@r1,linkdown:1:12s@r{DOWN_ROUND}"  # down longer than the reduce deadline (8 s)
+
+needs_root = pytest.mark.skipif(unavailable_reason() is not None,
+                                reason=f"simulate --netns needs root and iproute2: {unavailable_reason()}")
+
+
+def outside_state() -> tuple[set[str], set[str]]:
+    """Namespaces and links that belong to no lab (other labs, e.g. experiments, may come and go)."""
+    return ({ns for ns in netns._list_netns() if not netns.TAG_PATTERN.match(ns)},
+            {link for link in netns._list_links() if not netns.TAG_PATTERN.match(link)})
+
+
+@needs_root
+@pytest.mark.timeout(420)
+def test_a_link_down_and_a_slow_peer_in_namespaces(tmp_path):
+    before = outside_state()
+    config = default_config().override({
+        "run.steps": H * ROUNDS, "diloco.inner_steps": H, "data.eval_every_tokens": 1 << 40,
+        "data.eval_batches": 4, "sync.reduce_timeout_s": 8.0, "sync.announce_s": 3.0, "sync.manifest_s": 3.0,
+        "checkpoint.every_rounds": 0, "churn.spec": SPEC})
+    sim = Simulation(config, 3, tmp_path / "run", progress=False, timeout_s=360, netns=True)
+    report = sim.run()  # raises if any process group outlived the run or the lab could not be removed
+    tag = report["netns_lab"]
+
+    churn = {e["kind"]: e for e in report["events"] if e.get("by") == "churn"}
+    assert sorted(churn) == ["linkdown", "linkup", "slow"]
+    down, up, slow = churn["linkdown"], churn["linkup"], churn["slow"]
+    assert down["peer"] == up["peer"] and down["down_s"] == 12.0 and down["round"] >= DOWN_ROUND
+    assert slow["factor"] == 2.0 and report["churn"]["slowed"] == [slow["name"]]
+    # the slow peer read its factor from its file
+    told = [e for e in report["events"] if e["kind"] == "slowdown"]
+    assert [(e["peer"], e["factor"]) for e in told] == [(slow["peer"], 2.0)]
+
+    # the others kept finishing rounds while the link was down: some round from then on went on without it
+    rows = {row["round"]: row for row in report["rounds"]}
+    assert sorted(rows) == list(range(ROUNDS))
+    without = [r for r, row in rows.items() if r >= down["round"] and down["peer"] not in row["contributors"]]
+    assert without and all(len(rows[r]["contributors"]) >= 2 for r in without)
+    for row in rows.values():
+        assert len(row["phi_hashes"]) == 1
+    assert report["final_loss"] is not None
+
+    # nothing of the lab is left: namespaces, links, marker, processes
+    assert sim.lab.closed and lab_objects(tag) == {"netns": [], "links": []}
+    assert not (netns.RUN_DIR / tag).exists() and outside_state() == before
+    assert all(not p.group_alive() for p in sim.processes)
