@@ -2,14 +2,16 @@
 
 A holder keeps one snapshot (round, blob); a request may ask for a minimum round and wait for the
 holder to get there, so a joiner can start exactly at a round boundary. That wait lasts at most
-`MAX_STATE_WAIT_S` and ends when the caller's call does. Received state is checked
-against the model's expected tensor names and shapes, dtype float32 and finiteness before any of it
-touches the model; its φ is checked against the run's agreed hash (`state_phi_hash`) by whoever
+`MAX_STATE_WAIT_S` and ends when the caller's call does; a wait_s that is not a finite number waits
+for nothing (NaN would slip past both bounds and spin until the call ends). Received state is
+checked against the model's expected tensor names and shapes, dtype float32 and finiteness before
+any of it touches the model; its φ is checked against the run's agreed hash (`state_phi_hash`) by whoever
 loads or keeps it (runtime.state_sync, runtime.coordinator).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -106,7 +108,8 @@ class StateHolder:
         if request.run_id != self.run_id:
             yield wire_pb2.StateChunk(error=f"unknown run {request.run_id!r}")
             return
-        deadline = time.monotonic() + min(max(request.wait_s, 0.0), MAX_STATE_WAIT_S)
+        wait_s = min(max(request.wait_s, 0.0), MAX_STATE_WAIT_S) if math.isfinite(request.wait_s) else 0.0
+        deadline = time.monotonic() + wait_s
         context.add_callback(self._wake)
         with self._cond:
             while self._snapshot is None or self._snapshot.round < request.min_round:
