@@ -16,6 +16,7 @@ before it starts: `--dht-port`, or a free one picked here.
 
 A host (of `--host`, `--announce-addr`, an endpoint) is an IP address or a hostname, nothing else:
 no scheme, no path, no spaces; an IPv6 address takes brackets before a port (`[2001:db8::1]:31400`).
+A port is ASCII digits only (Python's int() also reads other scripts' digits: `١` is 1).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def split_announce(text: str) -> tuple[str, int | None]:
     elif text.count(":") == 1:
         host, _, port = text.partition(":")
     if (not host or is_wildcard(host) or not is_host(host) or (bracketed and ip_of(host) is None)
-            or (port is not None and not (port.isdigit() and 0 < int(port) < 65536))):
+            or (port is not None and not (port.isascii() and port.isdigit() and 0 < int(port) < 65536))):
         raise ValueError(f"{text!r} is not HOST or HOST:PORT, an IP address or hostname others can dial with a "
                          "port in 1-65535")
     return host, int(port) if port is not None else None
