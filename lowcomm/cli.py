@@ -32,6 +32,13 @@ def _add_coordinator(sub) -> None:
                        help="where the coordinator keeps its key and checkpoints")
     start.add_argument("--resume", type=Path, help="restart the swarm from a checkpoint folder")
     start.add_argument("--ready-file", type=Path, help=argparse.SUPPRESS)
+    token = coordinator.add_parser("token", help="print a join token for one peer of a token run (run.mode = \"token\")")
+    token.add_argument("--peer-id", required=True, help="the peer's id, as its `lowcomm peer id --key-file PATH` prints")
+    token.add_argument("--run-dir", type=Path, default=Path("runs/coordinator"),
+                       help="the coordinator's --run-dir, which holds its key (default: runs/coordinator)")
+    token.add_argument("--config", type=Path, help="the run config the coordinator runs (its run.name); default: the "
+                       "embedded default run")
+    token.add_argument("--valid-days", type=float, default=30.0, help="how long the token admits the peer (default: 30)")
 
 
 def _add_peer(sub) -> None:
@@ -76,6 +83,12 @@ def _add_peer(sub) -> None:
     join.add_argument("--fault", help=argparse.SUPPRESS)
     join.add_argument("--byzantine", metavar="KIND", help=argparse.SUPPRESS)  # runtime.byzantine
     join.add_argument("--start-file", type=Path, help=argparse.SUPPRESS)
+    join.add_argument("--key-file", type=Path, metavar="PATH", help="this peer's key, made there if missing: a stable "
+                      "peer id, which allowlist and token runs need (default: a new key and id at every start)")
+    join.add_argument("--token", help="token runs: the join token the run owner printed for this peer's id")
+    join.add_argument("--join-unadmitted", action="store_const", const=True, help=argparse.SUPPRESS)  # a test hook
+    ident = peer.add_parser("id", help="print this peer's id (from its key file, made if missing), for the run owner")
+    ident.add_argument("--key-file", type=Path, required=True, metavar="PATH", help="the key file to pass to peer join")
 
 
 def _add_simulate(sub) -> None:
@@ -111,6 +124,9 @@ def _add_simulate(sub) -> None:
                           help="make N of the peers Byzantine members that lie on the wire as KIND: sign-flip, "
                                "scale, noise, constant, nan, inflate-weight, copy or replay (docs/simulation.md); "
                                "the report's final_loss is then the honest peers'")
+    simulate.add_argument("--mode", choices=["open", "allowlist", "token"], help="who may join (overrides run.mode): "
+                          "in allowlist and token runs the launcher makes each peer's key and lists it or signs its "
+                          "token")
     simulate.add_argument("--stages", type=int, help="cut the model into S pipeline stages, each served by "
                           "changing sets of peers (overrides pipeline.stages; churn adds killstage:S@rR)")
     simulate.add_argument("--netns", action="store_true", default=None,
@@ -149,8 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        return {"coordinator": coordinator_start, "peer": peer_join, "simulate": simulate,
-                "status": status, "export": export}[args.command](args)
+        actions = {("coordinator", "token"): coordinator_token, ("peer", "id"): peer_id}
+        return actions.get((args.command, getattr(args, "action", None)), {
+            "coordinator": coordinator_start, "peer": peer_join, "simulate": simulate, "status": status,
+            "export": export}[args.command])(args)
     except ConfigError as e:
         print(f"lowcomm: {e}", file=sys.stderr)
         return 2
@@ -178,6 +196,24 @@ def coordinator_start(args) -> int:
           + (f", resumed at round {info['resumed_round']}" if info["resumed_round"] is not None else "") + ")")
     print("peers join with:\n  " + info["join_command"], flush=True)
     coordinator.serve_forever()
+    return 0
+
+
+def coordinator_token(args) -> int:
+    from lowcomm.runtime.admission import coordinator_token as issue
+
+    config = load_config(args.config)
+    print(issue(args.run_dir, config.run, args.peer_id.strip(), args.valid_days))
+    if config.run.mode != "token":
+        print(f"note: run {config.run.name!r} has run.mode = {config.run.mode!r}; tokens count once it is \"token\"",
+              file=sys.stderr)
+    return 0
+
+
+def peer_id(args) -> int:
+    from lowcomm.runtime.admission import load_key
+
+    print(load_key(args.key_file).peer_id)
     return 0
 
 
@@ -210,6 +246,7 @@ def simulate(args) -> int:
     from lowcomm.runtime.byzantine import parse_byzantine
     from lowcomm.runtime.churn import parse_churn
     from lowcomm.runtime.sim import Simulation, SimulationError
+    from lowcomm.runtime.sim_admission import admit_simulated
     from lowcomm.transport.netns import NetnsError, NetnsUnavailable
 
     if args.peers < 1:
@@ -229,6 +266,10 @@ def simulate(args) -> int:
     mode = " in network namespaces (htb caps)" if config.link.netns else ""
     stages = f" in {config.pipeline.stages} pipeline stages" if config.pipelined else ""
     byzantine = parse_byzantine(args.byzantine, args.peers)
+    plan = parse_churn(config.churn.spec)
+    joiners = (sum(a.count for a in plan.actions if a.action == "join") if plan.rate is None else 2 * args.peers) \
+        if plan else 0
+    config, peer_flags = admit_simulated(config, args.mode, run_dir, args.peers + joiners)
     if args.resume is not None:
         from lowcomm.runtime.checkpoint import CheckpointError, load_checkpoint
         try:
@@ -240,7 +281,8 @@ def simulate(args) -> int:
     print(f"simulating {args.peers} peers{stages}, algo {config.run.algo}, {config.run.steps} steps each, "
           f"links {', '.join(links)}{mode}{churn}{liars}; records in {run_dir}", file=sys.stderr)
     try:
-        report = Simulation(config, args.peers, run_dir, byzantine=byzantine, resume=args.resume).run()
+        report = Simulation(config, args.peers, run_dir, byzantine=byzantine, resume=args.resume,
+                            peer_flags=peer_flags).run()
     except NetnsUnavailable as e:
         print(f"lowcomm: --netns: {e}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
@@ -46,6 +47,9 @@ from lowcomm.transport.shaper import LinkConfig, parse_link_option
 ALGOS = ("diloco", "streaming-diloco", "sparseloco", "demo", "noloco", "ddp")
 PER_STEP_ALGOS = ("ddp", "demo")  # sync every optimizer step, in membership epochs
 UNHASHED_SECTIONS = ("link", "churn")  # the emulated network: not part of what makes two runs the same
+UNHASHED_RUN_KEYS = ("mode", "allowlist")  # who may join: a run may admit more peers and resume the same training
+RUN_MODES = ("open", "allowlist", "token")  # who may join (runtime.admission)
+PEER_ID = re.compile(r"^[0-9a-f]{20}$")  # transport.identity.peer_id_of
 BYTE_VOCAB = 256  # the stdlib and text corpora are byte-level: every token id is < 256
 
 _AT_LEAST_1 = (lambda v: v >= 1, ">= 1")
@@ -97,6 +101,8 @@ class RunSection:
     algo: str = "diloco"  # one of ALGOS
     steps: int = 600  # inner steps per peer
     seed: int = 0
+    mode: str = "open"  # who may join: one of RUN_MODES
+    allowlist: list[str] = field(default_factory=list)  # mode "allowlist": the admitted peer ids
 
 
 @dataclass
@@ -162,8 +168,10 @@ class RunConfig:
         return self.run.algo in PER_STEP_ALGOS
 
     def config_hash(self) -> str:
-        """Identifies the training run: every section but [link] and [churn] (the emulated network)."""
+        """Identifies the training run: every section but [link] and [churn] (the emulated network), and
+        without who may join (run.mode, run.allowlist)."""
         training = {k: v for k, v in self.to_dict().items() if k not in UNHASHED_SECTIONS}
+        training["run"] = {k: v for k, v in training["run"].items() if k not in UNHASHED_RUN_KEYS}
         text = json.dumps(training, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -213,6 +221,7 @@ class RunConfig:
         if self.model.d_model % self.model.n_heads:
             raise ConfigError(f"model.d_model = {self.model.d_model}: must be divisible by model.n_heads = "
                               f"{self.model.n_heads}")
+        self._validate_admission()
         self._validate_model_and_data()
         self._validate_topk()
         self._validate_noloco()
@@ -225,7 +234,7 @@ class RunConfig:
             raise ConfigError(f"churn.spec = {self.churn.spec!r}: {e}") from None
 
     def _choices(self) -> list[tuple[str, str, Any]]:
-        return [("run.algo", self.run.algo, ALGOS), ("data.corpus", self.data.corpus, CORPORA),
+        return [("run.algo", self.run.algo, ALGOS), ("run.mode", self.run.mode, RUN_MODES), ("data.corpus", self.data.corpus, CORPORA),
                 ("data.dtype", self.data.dtype, TOKEN_DTYPES),
                 ("diloco.codec", self.diloco.codec, DILOCO_CODECS),
                 ("diloco.aggregate", self.diloco.aggregate, AGGREGATES),
@@ -233,6 +242,18 @@ class RunConfig:
                 ("sparseloco.values", self.sparseloco.values, VALUE_CODECS),
                 ("noloco.codec", self.noloco.codec, NOLOCO_CODECS),
                 ("pipeline.recovery", self.pipeline.recovery, RECOVERIES)]
+
+    def _validate_admission(self) -> None:
+        r = self.run
+        bad = next((p for p in r.allowlist if not PEER_ID.match(p)), None)
+        if bad is not None:
+            raise ConfigError(f"run.allowlist: {bad[:60]!r} is not a peer id (20 hex digits, as "
+                              "`lowcomm peer id --key-file PATH` prints)")
+        if r.mode == "allowlist" and not r.allowlist:
+            raise ConfigError("run.mode = 'allowlist' with an empty run.allowlist: list the peer ids that may join")
+        if r.mode != "allowlist" and r.allowlist:
+            raise ConfigError(f"run.allowlist lists peers but run.mode = {r.mode!r}: set run.mode = \"allowlist\" "
+                              "or remove the list")
 
     def _validate_model_and_data(self) -> None:
         """The factory's form (it is imported where the model is built), the vocabulary a byte-level corpus
@@ -325,7 +346,7 @@ def _apply(target: Any, section: str, values: dict[str, Any]) -> None:
             continue
         converted = _convert(value, current)
         if converted is None:
-            expected = {dict: "a table of strings", bool: "true or false", int: "an integer",
+            expected = {list: "a list of strings", dict: "a table of strings", bool: "true or false", int: "an integer",
                         float: "a number", str: "a string"}[type(current)]
             raise ConfigError(f"{section}.{key} = {value!r}: expected {expected}")
         setattr(target, key, converted)
@@ -334,6 +355,8 @@ def _apply(target: Any, section: str, values: dict[str, Any]) -> None:
 def _convert(value: Any, like: Any) -> Any:
     """`value` as the type of the default `like`, or None where it is not one (no bools as numbers,
     no strings as numbers, no fractions as integers)."""
+    if isinstance(like, list):
+        return list(value) if isinstance(value, list) and all(isinstance(v, str) for v in value) else None
     if isinstance(like, dict):
         if isinstance(value, dict) and all(isinstance(v, str) for v in value.values()):
             return {str(k): v for k, v in value.items()}

@@ -14,6 +14,10 @@ knows no previous manifest (the run's first round, a joiner without an anchor) f
 writer, as every writer is equal to it. A manifest fixes the ordered member list, which members own
 a shard (client-mode peers own none), and how many consecutive rounds it covers (a membership
 epoch, so per-step algorithms do not touch the DHT every step).
+
+``admits(peer_id)`` (the run's mode, runtime.admission) says who may be a member at all: the leader
+leaves announcers it refuses out of the manifest, they are never candidate leaders nor waited for,
+and a manifest written by such a peer, or naming one, is refused (each a `reject` event).
 """
 
 from __future__ import annotations
@@ -74,10 +78,13 @@ class ManifestAgreement:
     """Agrees with the other peers on who takes part in a round."""
 
     def __init__(self, control: ControlPlane, sync: SyncConfig, endpoint: str, client_mode: bool = False,
-                 on_event=None, due_in_group: Callable[[str, PeerRecord], bool] | None = None):
+                 on_event=None, due_in_group: Callable[[str, PeerRecord], bool] | None = None,
+                 admits: Callable[[str], bool] | None = None):
         """`due_in_group(group, record)`: whether a live peer is expected in the group's rounds (pipelines:
-        only the replicas of the group's stage); by default every training or joining peer is."""
+        only the replicas of the group's stage); by default every training or joining peer is.
+        `admits(peer_id)`: whether the run lets that peer be a member (default: everyone)."""
         self.control = control
+        self.admits = admits or (lambda peer_id: True)
         self.due_in_group = due_in_group or (lambda group, record: True)
         self.on_event = on_event or (lambda kind, **fields: None)
         self.sync = sync
@@ -85,7 +92,7 @@ class ManifestAgreement:
         self.client_mode = client_mode
         self.me = control.identity.peer_id
         self._known: dict[str, list[tuple[int, frozenset[str]]]] = {}  # group -> (first round, members), by round
-        self._refused: set[tuple[str, int, str]] = set()  # (group, round, writer) already counted
+        self._refused: set[tuple[str, int, str, str]] = set()  # (group, round, peer, reason) already counted
         self.refused_writers = 0
 
     # ---- which writers count --------------------------------------------------------------------
@@ -111,17 +118,36 @@ class ManifestAgreement:
               fallback: frozenset[str] = frozenset()) -> Manifest | None:
         """The manifest to follow: the lowest-id trusted writer's, else (all previous members gone) the
         lowest-id writer's in ``fallback``; every other writer is refused once, as a `reject` event."""
+        manifests = self._admitted(manifests, group, round_)
         trusted = self.trusted(group, round_)
         if trusted is None:
             return _first_valid(manifests, group, round_)
         for writer in sorted(set(manifests) - trusted - fallback):
-            if (group, round_, writer) not in self._refused:
-                self._refused.add((group, round_, writer))
-                self.refused_writers += 1
-                self.on_event("reject", round=round_, sender=writer,
-                              reason="a manifest from a peer outside the previous round's members")
+            self._refuse(group, round_, writer, "a manifest from a peer outside the previous round's members")
         order = sorted(set(manifests) & trusted) + sorted((set(manifests) & fallback) - trusted)
         return _first_valid({w: manifests[w] for w in order}, group, round_, order)
+
+    def _refuse(self, group: str, round_: int, peer: str, reason: str) -> None:
+        """A `reject` event, once per peer, round and reason."""
+        if (group, round_, peer, reason) not in self._refused:
+            self._refused.add((group, round_, peer, reason))
+            self.refused_writers += 1
+            self.on_event("reject", round=round_, sender=peer[:40], reason=reason)
+
+    def _admitted(self, manifests: dict[str, dict], group: str, round_: int) -> dict[str, dict]:
+        """The manifests written by a peer the run admits and naming no other member."""
+        out = {}
+        for writer, raw in manifests.items():
+            members = raw.get("members") if isinstance(raw, dict) else None
+            members = [m for m in members if isinstance(m, str)] if isinstance(members, list) else []
+            outsider = next((m for m in [writer, *members] if not self.admits(m)), None)
+            if outsider is None:
+                out[writer] = raw
+            elif outsider == writer:
+                self._refuse(group, round_, writer, "a manifest written by a peer the run does not admit")
+            else:
+                self._refuse(group, round_, writer, f"a manifest naming {outsider[:40]}, a peer the run does not admit")
+        return out
 
     @property
     def _presence(self) -> dict:
@@ -154,7 +180,7 @@ class ManifestAgreement:
         ttl = self._ttl
         self.announce(group, round_)
         announcers = self._gather(group, round_, suspects)
-        candidates = sorted(p for p, info in announcers.items() if not info.get("ahead"))
+        candidates = sorted(p for p, info in announcers.items() if not info.get("ahead") and self.admits(p))
         trusted = self.trusted(group, round_)
         if trusted is None:
             order, first_outside = candidates, 0
@@ -190,7 +216,7 @@ class ManifestAgreement:
                           if isinstance(info.get("endpoint"), str)}  # well-formed (withdrawals are dropped)
             due = {p for p, rec in self.control.live_peers().items()
                    if rec.state in ("training", "joining") and rec.round <= round_ and p not in suspects
-                   and self.due_in_group(group, rec)}
+                   and self.due_in_group(group, rec) and self.admits(p)}
             present = {p for p, info in announcers.items() if not info.get("ahead")} | {self.me}
             announced = due <= set(announcers) | {self.me}
             if (due <= present or time.monotonic() >= deadline
@@ -209,6 +235,9 @@ class ManifestAgreement:
 
     def _publish(self, group, round_, epoch_rounds, codec, announcers, ttl) -> None:
         members = sorted(p for p, v in announcers.items() if isinstance(v.get("endpoint"), str))
+        for outsider in [p for p in members if not self.admits(p)]:
+            self._refuse(group, round_, outsider, "an announcement from a peer the run does not admit")
+            members.remove(outsider)
         # Owners: the members that reached the round (the writer among them), not those announced ahead.
         owners = [p for p in members if not announcers[p].get("client_mode") and not announcers[p].get("ahead")]
         manifest = Manifest(self.control.run, group, round_, epoch_rounds, self.me, members,

@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from lowcomm.runtime.admission import Admission, load_key
 from lowcomm.runtime.faults import FaultPlan
 from lowcomm.runtime.reachability import decide, dial_back, explain, helpers
 from lowcomm.runtime.run_config import fetch_run_config
@@ -47,7 +48,8 @@ def round_timeout(sync) -> float:
 class PeerContext:
     def __init__(self, options):
         self.options = options
-        self.identity = Identity.generate()
+        # a key kept in --key-file gives a stable id (allowlist and token runs); else a fresh one per start
+        self.identity = load_key(options.key_file) if options.key_file is not None else Identity.generate()
         self.me = self.identity.peer_id
         self.signer = Signer(self.identity)  # signs this peer's data-plane calls (transport.signing)
         self.faults = FaultPlan.parse(options.fault)
@@ -70,6 +72,7 @@ class PeerContext:
         # signal to the whole process group (kill -- -PGID, systemd) leaves it running and the peer hung
         self.install_signal_handlers()
         self.config, _ = fetch_run_config(self.control, owner_marker_from_text(o.run_key))
+        self.admission = self._admission()
         torch.set_num_threads(1)
         sync = self.config.sync
         self.channels = Channels(sync.chunk_bytes)
@@ -81,6 +84,16 @@ class PeerContext:
         self.client_mode = self._decide_client_mode()
         self.holder = StateHolder(o.run_name, sync.chunk_bytes)
         self.service.state_handler = self.holder.serve
+
+    def _admission(self) -> Admission:
+        """Who this run admits (run.mode); NotAdmitted, saying what to do, when it is not this peer. With the
+        join_unadmitted test hook the peer joins anyway and admits everyone, as a hostile peer would."""
+        o = self.options
+        if o.join_unadmitted:
+            return Admission.everyone(o.run_key)
+        admission = Admission(self.config.run, o.run_key, self.control.live_peers)
+        admission.check_joiner(self.me, o.token, o.key_file)
+        return admission
 
     def _decide_client_mode(self) -> bool:
         """--client-mode / --no-client-mode, else a dial-back through a helper (runtime.reachability);

@@ -28,6 +28,7 @@ from safetensors.torch import load as st_load
 from lowcomm.algorithms.registry import PAIRS, algorithm
 from lowcomm.collectives.base import GroupKey
 from lowcomm.collectives.manifest import ManifestAgreement
+from lowcomm.runtime.admission import Admission
 from lowcomm.config import RunConfig
 from lowcomm.models.factory import build_model
 from lowcomm.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -59,6 +60,8 @@ class Coordinator:
         self.ready_file = ready_file
         self.stop_requested = threading.Event()
         self.identity = Identity.load_or_create(self.run_dir / "coordinator.key")
+        # who the run admits (run.mode): only they are followed, voted with and checkpointed from
+        self.admission = Admission(config.run, self.identity.public_key_text, lambda: self.control.live_peers())
         self.last_checkpoint_round = 0
         self.follower: RoundFollower | None = None  # from the first loop on, for runs whose replicas share φ
         self._first_round = 0
@@ -128,7 +131,7 @@ class Coordinator:
         if self.config.pipelined or algo.exchange == PAIRS:
             return None
         sync = self.config.sync
-        agreement = ManifestAgreement(self.control, sync, endpoint="",
+        agreement = ManifestAgreement(self.control, sync, endpoint="", admits=self.admission.admits,
                                       on_event=lambda kind, **fields: logger.info("%s %s", kind, fields))
         return RoundFollower(self.control, agreement, GroupKey(run).group, settle_s=sync.announce_s,
                              ttl=sync.record_ttl_s * 6, vote_every=algo.epoch_rounds(self.config), start=start)
@@ -168,7 +171,8 @@ class Coordinator:
             self.follower = self._follower(self.config.run.name, self._first_round)
         if self.follower is None:
             return
-        training = [r for r in self.control.live_peers().values() if r.state == "training"]
+        training = [r for r in self.control.live_peers().values()
+                    if r.state == "training" and self.admission.admits(r.peer_id)]
         for anchor in self.follower.tick(max((r.round for r in training), default=0), {r.peer_id for r in training}):
             logger.info("round %d: agreed φ hash %s of %d members", anchor.round, anchor.phi_hash, len(anchor.members))
 
@@ -180,7 +184,7 @@ class Coordinator:
             self._keep_checked()
             return
         trainers = [r for r in self.control.live_peers().values() if r.state == "training" and not r.client_mode
-                    and r.peer_id not in self._refused_sources]
+                    and r.peer_id not in self._refused_sources and self.admission.admits(r.peer_id)]
         due = [r for r in trainers if r.round >= self.last_checkpoint_round + every]
         if not due:
             return

@@ -26,6 +26,7 @@ class Membership:
     def __init__(self, ctx: PeerContext, record: PeerRecord, fill: Callable[[PeerRecord], None] = lambda r: None):
         self.ctx = ctx
         self.record = record
+        record.token = ctx.options.token or ""  # token runs: every peer checks it before counting this one
         self.fill = fill
         self.announced = -1  # the last round announced ahead of its start (withdrawn if the peer leaves)
         self._collective: Collective | None = None

@@ -10,6 +10,8 @@ flags the user actually typed. A profile's keys are PeerOptions' field names:
     port = 31400
     dht_port = 31401
     client_mode = true
+    key_file = "~/.lowcomm/peer.key"   # a key kept across starts: a stable peer id (allowlist and token runs)
+    token = "lct1...."                 # token runs: the join token the run owner signed for this peer's id
 
 An unknown key or a value of the wrong type is refused with one line naming it (the CLI exits 2).
 The run config (model, batch, algorithm) is not a peer option: every peer fetches it, signed,
@@ -29,6 +31,7 @@ from typing import Any
 
 from lowcomm.config import ConfigError
 from lowcomm.transport.addresses import is_host, split_announce
+from lowcomm.transport.join_token import MAX_TOKEN_CHARS
 from lowcomm.transport.shaper import LinkSpec, parse_link_option
 
 DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -58,6 +61,9 @@ class PeerOptions:
     stage: int | None = None  # pipelines: the stage to start serving from φ_0 (simulate's initial placement)
     slowdown: float = 1.0  # emulation: each computation keeps the peer busy this many times as long
     slowdown_file: Path | None = None  # emulation: a file whose number, once it exists, replaces `slowdown`
+    key_file: Path | None = None  # this peer's key, made there if missing (None: a fresh key, a new id every start)
+    token: str | None = None  # token runs: the coordinator's join token for this peer's id (runtime.admission)
+    join_unadmitted: bool = False  # a test hook: join a run that does not admit this peer (the others refuse it)
 
 
 def read_profile(path: str | Path) -> dict[str, Any]:
@@ -105,7 +111,9 @@ def check(o: PeerOptions) -> None:
             ("num_shards", o.num_shards >= 1, ">= 1"),
             ("data_shard", o.data_shard is None or 0 <= o.data_shard < o.num_shards, f"in [0, num_shards = {o.num_shards})"),
             ("stage", o.stage is None or o.stage >= 0, ">= 0"),
-            ("slowdown", o.slowdown >= 1, ">= 1")):
+            ("slowdown", o.slowdown >= 1, ">= 1"),
+            ("token", o.token is None or 0 < len(o.token) <= MAX_TOKEN_CHARS,
+             f"a join token as `lowcomm coordinator token` prints it (at most {MAX_TOKEN_CHARS} characters)")):
         if not ok:
             raise ConfigError(f"{name} = {getattr(o, name)!r}: must be {allowed}")
 

@@ -92,7 +92,8 @@ class TrainingPeer:
         self.membership = Membership(ctx, record, fill=self._fill_record)
         self.key = GroupKey(o.run_name)
         self.algorithm = algorithm(config.run.algo)
-        agreement = ManifestAgreement(ctx.control, config.sync, ctx.endpoint, ctx.client_mode, on_event=ctx.log.event)
+        agreement = ManifestAgreement(ctx.control, config.sync, ctx.endpoint, ctx.client_mode, on_event=ctx.log.event,
+                                      admits=ctx.admission.admits)
         self.collective = self._collective(agreement)
         if o.byzantine:  # lies on the wire only: its own state stays honest (runtime.byzantine)
             self.collective = ByzantineCollective(self.collective, Attack(Kind.parse(o.byzantine), ctx.me),
@@ -104,7 +105,7 @@ class TrainingPeer:
             self.trainer.model, config, self.collective, self.key, self.trainer.tokens_per_step,
             self.trainer.optimizer, self.trainer.lr_schedule, lambda round_: agreement.read(self.key.group, round_),
             hooks))
-        self.state = StateSync(ctx, self.membership, self.replica, self.progress, agreement)
+        self.state = StateSync(ctx, self.membership, self.replica, self.progress, agreement, ctx.admission.admits)
         self.evaluation = Evaluation(self.trainer.evaluate, self.replica, self.progress, ctx.log,
                                      config.data.eval_every_tokens, config.run.steps)
         # wall seconds the training loop spent outside compute: in its syncs (codec work, the network,

@@ -67,6 +67,7 @@ class Simulation:
     slowdowns: dict[int, float] = field(default_factory=dict)  # pipelines: emulated slower peers, by index
     stage_of: dict[int, int] | None = None  # pipelines: initial stage by peer index (default: index mod S)
     byzantine: dict[int, Kind] = field(default_factory=dict)  # Byzantine members' kinds, by peer index
+    peer_flags: dict[int, list[str]] = field(default_factory=dict)  # keys and tokens by index (runtime.sim_admission)
     resume: Path | None = None  # a checkpoint folder the coordinator restarts the swarm from (--resume)
     slowdown_files: bool = False  # peers read RUN_DIR/slowdown-I (churn's slow action): set by churn_executor
     processes: list[Process] = field(default_factory=list)
@@ -219,6 +220,7 @@ class Simulation:
             args += ["--slowdown", str(self.slowdowns[index])]
         if index in self.byzantine:
             args += ["--byzantine", Kind(self.byzantine[index]).value]
+        args += self.peer_flags.get(index, [])
         if fault or self.peer_faults.get(index):
             args += ["--fault", fault or self.peer_faults[index]]
         if node is not None and link is not None and link.latency_s > 0:

@@ -3,10 +3,11 @@
 A StageBackward runs an optimizer step's worth of gradient on the serving replica, so a stranger's
 call would train the stage on the stranger's objective. Every call is signed by its driver's key
 (transport.signing) and its sender must hold a live record of the run (any state: a driver's
-record moves through parked, joining and training while it places itself). The set of such peers is read from the DHT at most every `refresh_s`, and once more, at
-most every `MISS_REFRESH_S`, when an unknown sender appears (a peer that joined since): a flood of
-unknown senders costs one DHT read per `MISS_REFRESH_S`, not one per call. A refused call is a
-`reject` event.
+record moves through parked, joining and training while it places itself) and be admitted by the
+run's mode (runtime.admission). The set of such peers is read from the DHT at most every
+`refresh_s`, and once more, at most every `MISS_REFRESH_S`, when an unknown sender appears (a peer
+that joined since): a flood of unknown senders costs one DHT read per `MISS_REFRESH_S`, not one per
+call. A refused call is a `reject` event.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ class StageCallRefused(ValueError):
 
 class StageCallGuard:
     def __init__(self, run: str, members: Callable[[], set[str]], refresh_s: float,
-                 on_event: Callable[..., None]):
-        """``members()``: the ids of the run's peers that serve or drive a stage (a DHT read)."""
+                 on_event: Callable[..., None], admits: Callable[[str], bool] = lambda peer_id: True):
+        """``members()``: the ids of the run's peers that serve or drive a stage (a DHT read);
+        ``admits(peer_id)``: whether the run's mode lets that peer take part (runtime.admission)."""
         self.run, self.members, self.refresh_s, self.on_event = run, members, refresh_s, on_event
+        self.admits = admits
         self.verifier = Verifier()
         self._known: set[str] = set()
         self._read_at = -float("inf")
@@ -42,6 +45,8 @@ class StageCallGuard:
             verify_message(self.verifier, method, call)
             if call.sender not in self._peers(call.sender):
                 raise StageCallRefused(f"{call.sender[:40]!r} is not a peer of run {self.run!r}")
+            if not self.admits(call.sender):
+                raise StageCallRefused(f"{call.sender[:40]!r} is not admitted to run {self.run!r} (its run.mode)")
         except (StageCallRefused, Unauthenticated) as e:
             self.on_event("reject", method=method, sender=call.sender[:40], error=str(e)[:200])
             raise

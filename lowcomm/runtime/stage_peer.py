@@ -70,7 +70,7 @@ class StagePeer:
         self.eval_batches = heldout_batches(corpus.heldout, cfg.model.context, cfg.inner.batch_size,
                                             cfg.data.eval_batches)
         agreement = ManifestAgreement(ctx.control, cfg.sync, ctx.endpoint, ctx.client_mode, on_event=ctx.log.event,
-                                      due_in_group=_replica_of_group)
+                                      due_in_group=_replica_of_group, admits=ctx.admission.admits)
         self.collective = ShardedReduce(ctx.signer, ctx.service, ctx.channels, ctx.traffic, agreement, cfg.sync,
                                         cfg.diloco.codec, 1, on_event=ctx.log.event)
         self.device = pick_device(o.device)
@@ -79,7 +79,7 @@ class StagePeer:
                                                      cfg.pipeline.replicate_ends), 0, self.slowdown, self.device)
         ctx.service.stage_handler = self.server
         ctx.service.stage_guard = StageCallGuard(o.run_name, lambda: set(ctx.control.live_peers()),
-                                                 cfg.sync.heartbeat_s, ctx.log.event)
+                                                 cfg.sync.heartbeat_s, ctx.log.event, ctx.admission.admits)
         ctx.compute_seconds = lambda: self.server.compute_s
         record = PeerRecord(self.me, ctx.endpoint, "parked" if o.start_file is not None else "joining",
                             self.device.type, client_mode=ctx.client_mode)

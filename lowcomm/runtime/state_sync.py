@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 
 from lowcomm.algorithms.base import Replica
 from lowcomm.collectives.manifest import ManifestAgreement
@@ -50,10 +51,13 @@ def drift_sources(hashes: dict[str, str], me: str, voters=None) -> list[str] | N
 
 class StateSync:
     def __init__(self, ctx: PeerContext, membership: Membership, replica: Replica, progress: Progress,
-                 agreement: ManifestAgreement | None = None):
-        """``agreement``: the replica's manifest agreement, told the previous members a download's anchor names."""
+                 agreement: ManifestAgreement | None = None, admits: Callable[[str], bool] | None = None):
+        """``agreement``: the replica's manifest agreement, told the previous members a download's anchor names;
+        ``admits(peer_id)``: whether the run's mode lets that peer be a source or a voter (default: everyone)."""
         self.ctx, self.membership, self.replica, self.progress = ctx, membership, replica, progress
         self.agreement = agreement
+        self.admits = admits or (lambda peer_id: True)
+        self._outsiders: set[str] = set()  # sources refused as not admitted (one `reject` event each)
         self.config = ctx.config
 
     def round_boundary_for(self, completed: int) -> int:
@@ -86,7 +90,8 @@ class StateSync:
         while time.monotonic() < deadline and not ctx.stop.is_set():
             everyone = ctx.control.live_peers()
             records = [r for p, r in everyone.items()
-                       if p != me and r.state in ("training", "holder") and not r.client_mode and p not in refused]
+                       if p != me and r.state in ("training", "holder") and not r.client_mode and p not in refused
+                       and self._admitted(p)]
             trainers = [r for r in records if r.state == "training"]
             if not records:
                 # A fresh DHT node may not see records yet: only call ourselves first once the
@@ -116,6 +121,15 @@ class StateSync:
                 return True
             if loaded is False:
                 refused.add(source.peer_id)
+        return False
+
+    def _admitted(self, peer_id: str) -> bool:
+        """Whether the run admits ``peer_id`` as a state source; a `reject` event the first time it does not."""
+        if self.admits(peer_id):
+            return True
+        if peer_id not in self._outsiders:
+            self._outsiders.add(peer_id)
+            self.ctx.log.event("reject", sender=peer_id[:40], reason="a state source the run does not admit")
         return False
 
     def _load_from(self, source, target: int) -> bool | None:
@@ -179,7 +193,7 @@ class StateSync:
             if time.monotonic() >= deadline or ctx.stop.wait(0.2):
                 return None, None
         ctx.log.event("unanchored", round=round_, reason="no coordinator: the majority of every vote")
-        return None, agreed_hash(ctx.control.phi_hashes(group, round_))
+        return None, agreed_hash({p: h for p, h in ctx.control.phi_hashes(group, round_).items() if self.admits(p)})
 
     def resync(self, reason: str, sources: list[str] | None = None) -> None:
         """Drops this peer's state for a newer one; `sources`: the peers to take it from where they can."""

@@ -21,6 +21,7 @@ from hivemind.utils import get_dht_time
 
 from lowcomm.transport.addresses import dht_maddrs
 from lowcomm.transport.identity import Identity, peer_id_of
+from lowcomm.transport.join_token import MAX_TOKEN_CHARS
 
 logger = logging.getLogger(__name__)
 DHT_CALL_S = 30.0  # the longest one store or get may take
@@ -70,6 +71,7 @@ class PeerRecord:
     done_at: float = 0.0
     rollback_to: int = -1  # the restart baseline: every stage loads its checkpoint of this round ...
     rollback_at: int = -1  # ... before this round
+    token: str = ""  # token runs: the coordinator's join token for this peer (transport.join_token)
 
     @classmethod
     def from_value(cls, value: Any) -> "PeerRecord":
@@ -84,6 +86,8 @@ class PeerRecord:
         record.throughput, record.grad_norm, record.done_at = (float(record.throughput), float(record.grad_norm),
                                                                float(record.done_at))
         record.loss, record.loss_kind = float(record.loss), str(record.loss_kind)[:16]
+        if not isinstance(record.token, str) or len(record.token) > MAX_TOKEN_CHARS:
+            raise ValueError("peer record's token is not a string of a join token's size")
         if not all(map(math.isfinite, (record.throughput, record.grad_norm, record.done_at, record.loss))):
             raise ValueError("peer record holds a non-finite number")
         return record
