@@ -5,7 +5,7 @@
         [--out experiments/out/chaos] [--timeout-s 1500] [--table-only]
 
 Rows, each one `lowcomm simulate` of DiLoCo with --peers processes in network namespaces (`--netns`;
-`--no-netns` runs them on loopback, without the link-down actions), on the small model of
+`--no-netns` runs them on loopback and drops the link-down actions from the schedule), on the small model of
 experiments/byzantine.py (SMALL) so that 50 rounds take minutes on 2 cores:
 
 - ``none``: no chaos, the baseline of the gaps;
@@ -33,6 +33,7 @@ import argparse
 import json
 import statistics
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -72,8 +73,28 @@ def simulate(run_dir: Path, config: Path, args, *extra: str) -> tuple[int | str,
     cmd = [sys.executable, "-m", "lowcomm.cli", "simulate", "--config", str(config), "--peers", str(args.peers),
            "--report", str(report_path), "--run-dir", str(run_dir / "run"), *(["--netns"] if args.netns else []),
            *extra]
-    rc = run_simulate(cmd, REPO, run_dir / "simulate.log", args.timeout_s)
+    stop = threading.Event()
+    watcher = threading.Thread(target=watch, args=(run_dir / "run", run_dir.name, args.rounds, stop), daemon=True)
+    watcher.start()
+    try:
+        rc = run_simulate(cmd, REPO, run_dir / "simulate.log", args.timeout_s)
+    finally:
+        stop.set()
     return rc, json.loads(report_path.read_text()) if report_path.exists() else None, cmd
+
+
+def watch(run_dir: Path, label: str, rounds: int, stop: threading.Event, every_s: float = 30.0) -> None:
+    """Prints the swarm's round every `every_s` seconds while a simulate runs."""
+    from lowcomm.runtime.churn import swarm_round
+    from lowcomm.runtime.runlog import read_records
+
+    t0 = time.time()
+    while not stop.wait(every_s):
+        peers = run_dir / "peers"
+        records = [r for r in read_records(peers) if r["type"] == "round"] if peers.is_dir() else []
+        top = max((r["round"] for r in records), default=-1) + 1
+        print(f"  {label}: swarm at round {top}/{rounds} ({swarm_round(records)} rounds run here) after "
+              f"{time.time() - t0:.0f} s", flush=True)
 
 
 def run_row(kind: str, args) -> dict:
@@ -240,6 +261,8 @@ def main() -> int:
     ap.add_argument("--timeout-s", type=float, default=1500.0, help="a simulate still running after this is stopped")
     ap.add_argument("--table-only", action="store_true", help="rewrite OUT/table.md from the rows done")
     args = ap.parse_args()
+    if not args.netns:  # a link can be taken down only in namespace mode
+        args.spec = ",".join(part for part in args.spec.split(",") if not part.strip().startswith("linkdown"))
     args.out.mkdir(parents=True, exist_ok=True)
     if args.table_only:
         print(write_table(args.out, args))
