@@ -162,11 +162,15 @@ def slices(blob: bytes, chunk_bytes: int) -> Iterator[bytes]:
 
 
 def assemble(first_total: int, datas: Iterable[bytes], max_bytes: int) -> bytes:
-    """Joins streamed chunks, refusing a declared or actual size above `max_bytes` or a short stream."""
+    """Joins streamed chunks, refusing a declared or actual size above `max_bytes`, a short stream, or
+    an empty chunk after the first (`slices` never sends one), so a stream holds at most one chunk per
+    declared byte and an endless trickle of empty chunks is refused at its second chunk."""
     if first_total > max_bytes:
         raise WireError(f"declared size {first_total} bytes exceeds the limit of {max_bytes}")
     out = bytearray()
-    for data in datas:
+    for i, data in enumerate(datas):
+        if i and not data:
+            raise WireError(f"empty chunk {i} in a stream of {first_total} bytes")
         out += data
         if len(out) > first_total:
             raise WireError(f"stream carries more than its declared {first_total} bytes")
