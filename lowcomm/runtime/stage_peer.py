@@ -110,8 +110,11 @@ class StagePeer:
     # ---- the view of the pipeline -----------------------------------------------------------
 
     def _stage_records(self) -> list[PeerRecord]:
-        return [r for r in self.ctx.control.live_peers().values()
-                if 0 <= r.stage < self.stages and r.state in ("training", "joining")]
+        """The stage peers the run admits: routes, stage state and moves use no other."""
+        records = self.ctx.control.live_peers()
+        admitted = self.ctx.admission.admitted(records)
+        return [r for p, r in records.items()
+                if p in admitted and 0 <= r.stage < self.stages and r.state in ("training", "joining")]
 
     def _directory(self) -> dict[int, dict[str, StageEntry]]:
         """Online replicas per stage, for the driver (this peer's own stage from its live state)."""

@@ -186,7 +186,7 @@ class StageState:
     def maybe_roll_back(self, round_: int) -> None:
         """Before round `round_`: load this stage's checkpoint of the rollback a restart asked for."""
         asked = max(((r.rollback_at, r.rollback_to) for r in self.ctx.control.live_peers().values()
-                     if r.rollback_to >= 0), default=None)
+                     if r.rollback_to >= 0 and self.ctx.admission.admits(r.peer_id)), default=None)
         if asked is None or asked == self.rollback_done or round_ < asked[0] or not self.server.ready:
             return
         at, to = asked

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -164,3 +165,32 @@ def test_the_leader_leaves_a_non_admitted_announcer_out_and_every_peer_refuses_a
     reasons = {(f["sender"], f["reason"]) for kind, f in events if kind == "reject" and f["round"] == 1}
     assert reasons == {("b", "a manifest naming a, a peer the run does not admit"),
                        (outsider, "a manifest written by a peer the run does not admit")}
+
+
+# ---- the peer's options and commands -----------------------------------------------------------
+
+
+def test_a_profile_and_the_flags_carry_the_key_file_and_the_token(tmp_path):
+    from lowcomm.runtime.options import peer_options, read_profile
+
+    profile = tmp_path / "peer.toml"
+    profile.write_text('[peer]\nkey_file = "me.key"\ntoken = "lct1.a.b"\n')
+    base = {"coordinator": ["/ip4/127.0.0.1/tcp/1/p2p/x"], "run_key": "key"}
+    o = peer_options(read_profile(profile), base)
+    assert (o.key_file, o.token, o.join_unadmitted) == (Path("me.key"), "lct1.a.b", False)
+    with pytest.raises(ConfigError, match="token = .*at most"):
+        peer_options({}, {**base, "token": "x" * (MAX_TOKEN_CHARS + 1)})
+
+
+def test_peer_id_prints_the_same_id_of_a_kept_key_and_refuses_a_file_that_is_no_key(tmp_path, capsys):
+    from lowcomm.cli import main
+
+    key = tmp_path / "me.key"
+    assert main(["peer", "id", "--key-file", str(key)]) == 0
+    first = capsys.readouterr().out.strip()
+    assert main(["peer", "id", "--key-file", str(key)]) == 0
+    assert capsys.readouterr().out.strip() == first == Identity.load_or_create(key).peer_id
+    (tmp_path / "bad.key").write_text("not a key")
+    assert main(["peer", "id", "--key-file", str(tmp_path / "bad.key")]) == 2
+    err = capsys.readouterr().err
+    assert "not a key lowcomm can use" in err and err.count("\n") == 1
