@@ -46,20 +46,22 @@ from lowcomm.config import ALGOS, default_config  # noqa: E402
 from lowcomm.models.gpt import GPT  # noqa: E402
 from lowcomm.runtime.plots import compare_reports  # noqa: E402
 
-VARIANTS = {  # name: (run.algo, extra `simulate` flags)
+VARIANTS = {  # name: (run.algo, extra `simulate` flags[, run-config overrides])
     "ddp": ("ddp", []),
     "diloco": ("diloco", []),
-    "diloco-overlap": ("diloco", ["--overlap"]),
+    "diloco-overlap": ("diloco", ["--overlap"], {"diloco.overlap_update": "delayed"}),
+    "diloco-overlap-eager": ("diloco", ["--overlap"], {"diloco.overlap_update": "eager"}),
     "streaming-diloco": ("streaming-diloco", []),
     "demo": ("demo", []),
     "sparseloco": ("sparseloco", []),
-    "sparseloco-overlap": ("sparseloco", ["--overlap"]),
+    "sparseloco-overlap": ("sparseloco", ["--overlap"], {"sparseloco.overlap_update": "delayed"}),
+    "sparseloco-overlap-eager": ("sparseloco", ["--overlap"], {"sparseloco.overlap_update": "eager"}),
     "noloco": ("noloco", []),
 }
 
 
 def available_variants() -> list[str]:
-    return [name for name, (algo, _) in VARIANTS.items() if algo in ALGOS]
+    return [name for name, (algo, *_) in VARIANTS.items() if algo in ALGOS]
 
 
 # ---- the payload bound ----------------------------------------------------------------------------
@@ -119,10 +121,15 @@ def run_cell(out: Path, variant: str, steps: int, peers: int, seed: int, reuse: 
     if reuse is not None and (reuse / path.name).exists():
         shutil.copyfile(reuse / path.name, path)
         return json.loads(path.read_text())
-    algo, flags = VARIANTS[variant]
+    algo, flags, *overrides = VARIANTS[variant]
     tmp = path.with_suffix(".partial.json")
     cmd = [sys.executable, "-m", "lowcomm.cli", "simulate", "--peers", str(peers), "--algo", algo, "--steps",
            str(steps), "--seed", str(seed), "--report", str(tmp), "--run-dir", str(out / "runs" / path.stem), *flags]
+    if overrides:  # the embedded default run with these keys changed, as a config file of its own
+        config = out / "runs" / path.stem / "config.json"
+        config.parent.mkdir(parents=True, exist_ok=True)
+        config.write_text(json.dumps(default_config().override(overrides[0]).to_dict(), indent=1))
+        cmd += ["--config", str(config)]
     subprocess.run(cmd, check=True)
     tmp.replace(path)
     rename_figures(out, path.stem)
