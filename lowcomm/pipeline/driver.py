@@ -4,9 +4,11 @@
     last hop: backward with the targets → loss and the gradient of its input
     backward hops S−1..1, each resending the hop's input and its output's gradient (stateless)
 
-A hop that times out is retried on another replica of the stage; any other failure (the peer is
-gone, moved to another stage, or refused the call) bans that peer until the expiry its DHT record
-had at that moment. A stage with no replica left is waited for (it is being rebuilt or a peer is
+A hop that times out is retried on another replica of the stage. A replica that answers RETRY (it
+has not read this driver's record of the run yet: runtime.stage_guard reads the DHT again within
+0.25 s) is asked again after `RETRY_PAUSE_S`, up to `SAME_REPLICA_RETRIES` times in a hop, then
+passed over for this hop, never banned. Any other failure (the peer is gone, moved to another
+stage, or refused the call) bans that peer until the expiry its DHT record had at that moment. A stage with no replica left is waited for (it is being rebuilt or a peer is
 moving there) up to `pipeline.stage_wait_s`, then the microbatch is dropped with a clear error.
 """
 
@@ -28,6 +30,8 @@ from lowcomm.transport.signing import Signer, sign_message
 from lowcomm.transport.wire import Channels, Traffic, deadline_after
 
 Reply = wire_pb2.StageReply
+RETRY_PAUSE_S = 0.3  # longer than the stage guard's re-read interval (runtime.stage_guard.MISS_REFRESH_S)
+SAME_REPLICA_RETRIES = 3
 
 
 class StageUnavailable(RuntimeError):
@@ -97,6 +101,7 @@ class Driver:
         wait_s = self.stage_wait_s if wait_s is None else wait_s
         give_up = time.monotonic() + wait_s
         tried: set[str] = set()
+        retries: dict[str, int] = {}
         self._refresh()
         while not self.stop.is_set():
             peer = self.router.pick(hop.stage, task, exclude=tried)
@@ -127,7 +132,14 @@ class Driver:
                 self.router.report(peer, task, time.perf_counter() - t0)
                 return reply
             self.failures += 1
-            if reply.status == Reply.BUSY:
+            if reply.status == Reply.RETRY:
+                retries[peer] = retries.get(peer, 0) + 1
+                self.on_event("hop_retry", stage=hop.stage, target=peer, reason=reply.error[:120])
+                if retries[peer] > SAME_REPLICA_RETRIES or time.monotonic() + RETRY_PAUSE_S > give_up:
+                    tried.add(peer)
+                else:
+                    self.stop.wait(RETRY_PAUSE_S)
+            elif reply.status == Reply.BUSY:
                 tried.add(peer)
             else:
                 self._ban(peer, entry, f"{Reply.Status.Name(reply.status)}: {reply.error[:120]}")

@@ -7,7 +7,9 @@ record moves through parked, joining and training while it places itself) and be
 run's mode (runtime.admission). The set of such peers is read from the DHT at most every
 `refresh_s`, and once more, at most every `MISS_REFRESH_S`, when an unknown sender appears (a peer
 that joined since): a flood of unknown senders costs one DHT read per `MISS_REFRESH_S`, not one per
-call. A refused call is a `reject` event.
+call. A refused call is a `reject` event, reported here with its sender (the gRPC service counts a
+`Refused` call no second time). A signed call from a sender not in the last read is answered RETRY:
+the sender may have joined since, and a call `MISS_REFRESH_S` later is checked against a new read.
 """
 
 from __future__ import annotations
@@ -16,13 +18,20 @@ import threading
 import time
 from collections.abc import Callable
 
+from lowcomm.transport.service import Refused
 from lowcomm.transport.signing import Unauthenticated, Verifier, verify_message
 
 MISS_REFRESH_S = 0.25
 
 
-class StageCallRefused(ValueError):
+class StageCallRefused(Refused):
     """A stage call this peer does not serve (the message goes back to the caller)."""
+
+
+class UnknownSender(StageCallRefused):
+    """A signed call from a peer this peer's last DHT read does not hold: it may have joined since."""
+
+    retry = True
 
 
 class StageCallGuard:
@@ -42,12 +51,16 @@ class StageCallGuard:
         try:
             if call.run_id != self.run:
                 raise StageCallRefused(f"stage call for run {call.run_id[:80]!r}, this peer serves {self.run!r}")
-            verify_message(self.verifier, method, call)
+            try:
+                verify_message(self.verifier, method, call)
+            except Unauthenticated as e:
+                raise StageCallRefused(str(e)) from None
             if call.sender not in self._peers(call.sender):
-                raise StageCallRefused(f"{call.sender[:40]!r} is not a peer of run {self.run!r}")
+                raise UnknownSender(f"{call.sender[:40]!r} is not a peer of run {self.run!r} as this peer last read "
+                                    f"the DHT; it reads again within {MISS_REFRESH_S} s: retry")
             if not self.admits(call.sender):
                 raise StageCallRefused(f"{call.sender[:40]!r} is not admitted to run {self.run!r} (its run.mode)")
-        except (StageCallRefused, Unauthenticated) as e:
+        except StageCallRefused as e:
             self.on_event("reject", method=method, sender=call.sender[:40], error=str(e)[:200])
             raise
 

@@ -15,6 +15,9 @@ The calls that may wait (Reduce, GetShard, GetState, Exchange) are admitted `MAX
 a time, fewer than the server's threads, so a flood of them never starves Ping or the stage calls:
 one beyond the cap ends at once with RESOURCE_EXHAUSTED and counts as an error (a `reject` event). A
 handler that raises `Overloaded` (its own per-sender cap) ends its call the same way.
+
+A stage call passes the runtime's `stage_guard` first; a guard reports its own refusals (with the
+sender) and raises `Refused`, so each refused call is one `reject` event, not two.
 """
 
 from __future__ import annotations
@@ -37,6 +40,13 @@ MAX_WAITING_CALLS = 48  # Reduce, GetShard, GetState and Exchange calls served a
 
 class Overloaded(RuntimeError):
     """A handler refuses a call for want of capacity; the call ends with RESOURCE_EXHAUSTED."""
+
+
+class Refused(ValueError):
+    """A guard refused a call and reported the refusal itself: the call is answered REJECTED (RETRY when
+    `retry` is set: the refusal may not hold a moment later) and not counted a second time."""
+
+    retry = False
 
 
 class DialBackRefused(ValueError):
@@ -79,7 +89,7 @@ class PeerService(wire_pb2_grpc.PeerServicer):
         self.exchange_cap_s = 120.0  # the longest one Exchange call may hold a server thread
         self.state_handler: Callable | None = None
         self.stage_handler = None  # pipeline.server.StageServer: forward(call) and backward(call) -> StageReply
-        self.stage_guard: Callable[[str, object], None] | None = None  # raises for a call not to serve (runtime)
+        self.stage_guard: Callable[[str, object], None] | None = None  # raises Refused for a call not to serve (runtime)
         self.checkpointer: str | None = None  # the coordinator's peer id: its GetState calls are checkpoints
         self._errors = 0
         self._lock = threading.Lock()
@@ -212,6 +222,9 @@ class PeerService(wire_pb2_grpc.PeerServicer):
                 self.stage_guard(method, request)
             serve = self.stage_handler.forward if method == "StageForward" else self.stage_handler.backward
             reply = serve(request)
+        except Refused as e:  # the guard reported it
+            status = wire_pb2.StageReply.RETRY if e.retry else wire_pb2.StageReply.REJECTED
+            reply = wire_pb2.StageReply(status=status, error=f"{type(e).__name__}: {e}")
         except Exception as e:  # hostile input must never take the server down
             self._failed(method, e, context)
             reply = wire_pb2.StageReply(status=wire_pb2.StageReply.REJECTED, error=f"{type(e).__name__}: {e}")
