@@ -1,6 +1,8 @@
 """Tensors crossing a stage boundary as protobuf `Activation`s: 8-bit blockwise floats or int64 token ids.
 
-Everything received is validated (shape, sizes, finiteness, token range) before it reaches a model.
+Everything received is validated (shape, sizes, finiteness, token range) before it reaches a model;
+a shape with a dimension of 0 is refused too (no hop carries an empty batch or sequence, and the
+model cannot take one).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def unpack_tokens(message: wire_pb2.Activation, vocab_size: int, max_elements: i
 
 def _shape(message: wire_pb2.Activation, max_elements: int) -> tuple[int, ...]:
     shape = tuple(int(d) for d in message.shape)
-    if not 1 <= len(shape) <= MAX_NDIM or math.prod(shape) > max_elements:
-        raise ActivationError(f"activation shape {shape} is empty, has more than {MAX_NDIM} dims or exceeds "
-                              f"{max_elements} values")
+    if not 1 <= len(shape) <= MAX_NDIM or 0 in shape or math.prod(shape) > max_elements:
+        raise ActivationError(f"activation shape {shape} has no dims, a dim of 0, more than {MAX_NDIM} dims or "
+                              f"more than {max_elements} values")
     return shape
