@@ -10,6 +10,7 @@ two-core machine), no per-example deadline, derandomized so a failure replays.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 
 import grpc
@@ -24,7 +25,9 @@ CHUNK_BYTES = 1 << 16
 
 
 def fuzz_settings(max_examples: int):
-    return settings(max_examples=max_examples, deadline=None, derandomize=True, database=None,
+    """`max_examples` times LOWCOMM_FUZZ_SCALE (default 1; a longer search by hand: LOWCOMM_FUZZ_SCALE=20)."""
+    scaled = max(1, round(max_examples * float(os.environ.get("LOWCOMM_FUZZ_SCALE", "1"))))
+    return settings(max_examples=scaled, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 

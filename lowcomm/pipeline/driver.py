@@ -8,8 +8,9 @@ A hop that times out is retried on another replica of the stage. A replica that 
 has not read this driver's record of the run yet: runtime.stage_guard reads the DHT again within
 0.25 s) is asked again after `RETRY_PAUSE_S`, up to `SAME_REPLICA_RETRIES` times in a hop, then
 passed over for this hop, never banned. Any other failure (the peer is gone, moved to another
-stage, or refused the call) bans that peer until the expiry its DHT record had at that moment. A stage with no replica left is waited for (it is being rebuilt or a peer is
-moving there) up to `pipeline.stage_wait_s`, then the microbatch is dropped with a clear error.
+stage, or refused the call) bans that peer until the expiry its DHT record had at that moment. A
+stage with no replica left is waited for (it is being rebuilt or a peer is moving there) up to
+`pipeline.stage_wait_s`, then the microbatch is dropped with a clear error.
 """
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ class PeerService(wire_pb2_grpc.PeerServicer):
         self.exchange_cap_s = 120.0  # the longest one Exchange call may hold a server thread
         self.state_handler: Callable | None = None
         self.stage_handler = None  # pipeline.server.StageServer: forward(call) and backward(call) -> StageReply
-        self.stage_guard: Callable[[str, object], None] | None = None  # raises Refused for a call not to serve (runtime)
+        self.stage_guard: Callable[[str, object], None] | None = None  # raises Refused for a call not to serve
         self.checkpointer: str | None = None  # the coordinator's peer id: its GetState calls are checkpoints
         self._errors = 0
         self._lock = threading.Lock()

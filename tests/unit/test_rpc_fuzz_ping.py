@@ -61,7 +61,7 @@ def test_hostile_pings_dial_only_the_callers_own_address():
     with served(service) as (stub, endpoint):
         own_port, dead_port = int(endpoint.rsplit(":", 1)[1]), closed_port()
 
-        @fuzz_settings(80)
+        @fuzz_settings(150)
         @given(sender=st.sampled_from([ME, "", "someone"]) | st.text(max_size=300), target=targets(own_port, dead_port))
         def check(sender, target):
             dial_back, kind = target

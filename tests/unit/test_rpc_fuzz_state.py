@@ -52,7 +52,7 @@ def test_hostile_state_requests_are_answered_or_refused_without_a_wait_past_thei
     snapshot, blob = holder.snapshot, holder.snapshot.blob
     with served(service) as (stub, _):
 
-        @fuzz_settings(60)
+        @fuzz_settings(100)
         @given(run_id=st.sampled_from([RUN, ""]) | st.text(max_size=200),
                requester=st.text(max_size=300),
                min_round=st.sampled_from([0, ROUND, ROUND + 1]) | st.integers(0, 2**64 - 1),
