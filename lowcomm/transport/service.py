@@ -17,7 +17,10 @@ one beyond the cap ends at once with RESOURCE_EXHAUSTED and counts as an error (
 handler that raises `Overloaded` (its own per-sender cap) ends its call the same way.
 
 A stage call passes the runtime's `stage_guard` first; a guard reports its own refusals (with the
-sender) and raises `Refused`, so each refused call is one `reject` event, not two.
+sender) and raises `Refused`, so each refused call is one `reject` event, not two. A stage serves
+one call at a time, so at most `MAX_STAGE_CALLS` are let in to wait for it: one more is answered
+BUSY at once (its driver tries another replica) and counted, so a run peer that floods a stage
+holds a handful of server threads, not all of them.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ logger = logging.getLogger(__name__)
 DIAL_BACKS = 4  # dial-backs running at once; each holds a server thread up to DIAL_BACK_TIMEOUT_S
 DIAL_BACK_TIMEOUT_S = 5.0
 MAX_WAITING_CALLS = 48  # Reduce, GetShard, GetState and Exchange calls served at once (start_server: 64 threads)
+MAX_STAGE_CALLS = 8  # stage calls in a server at once (served one at a time; the others wait their turn)
 
 
 class Overloaded(RuntimeError):
@@ -94,6 +98,7 @@ class PeerService(wire_pb2_grpc.PeerServicer):
         self._errors = 0
         self._lock = threading.Lock()
         self._dial_backs = threading.BoundedSemaphore(DIAL_BACKS)
+        self._stage_calls = threading.BoundedSemaphore(MAX_STAGE_CALLS)
         self._waiting = 0  # calls admitted by _admit and not yet over
         self.max_waiting_calls = MAX_WAITING_CALLS
         self.on_error: Callable[[str, str], None] | None = None
@@ -217,6 +222,12 @@ class PeerService(wire_pb2_grpc.PeerServicer):
         self.traffic.count_received(request, deadline)
         if self.stage_handler is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "this peer serves no pipeline stage")
+        if not self._stage_calls.acquire(blocking=False):
+            busy = Overloaded(f"{MAX_STAGE_CALLS} stage calls are waiting for this stage already")
+            self._failed(method, busy, context)
+            reply = wire_pb2.StageReply(status=wire_pb2.StageReply.BUSY, error=f"Overloaded: {busy}")
+            self.traffic.count_sent(reply, deadline)
+            return reply
         try:
             if self.stage_guard is not None:
                 self.stage_guard(method, request)
@@ -228,6 +239,8 @@ class PeerService(wire_pb2_grpc.PeerServicer):
         except Exception as e:  # hostile input must never take the server down
             self._failed(method, e, context)
             reply = wire_pb2.StageReply(status=wire_pb2.StageReply.REJECTED, error=f"{type(e).__name__}: {e}")
+        finally:
+            self._stage_calls.release()
         self.traffic.count_sent(reply, deadline)
         return reply
 
