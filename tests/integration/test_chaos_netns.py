@@ -13,8 +13,9 @@ from lowcomm.runtime.sim import Simulation
 from lowcomm.transport import netns
 from lowcomm.transport.netns import lab_objects, unavailable_reason
 
-H, ROUNDS, DOWN_ROUND = 5, 8, 2
-SPEC = f"slow:1:2x@r1,linkdown:1:12s@r{DOWN_ROUND}"  # down longer than the reduce deadline (8 s)
+H, ROUNDS, DOWN_ROUND = 5, 30, 2
+# down longer than the reduce deadline (8 s), early enough that the swarm still trains when it comes back
+SPEC = f"slow:1:2x@r1,linkdown:1:10s@r{DOWN_ROUND}"
 
 needs_root = pytest.mark.skipif(unavailable_reason() is not None,
                                 reason=f"simulate --netns needs root and iproute2: {unavailable_reason()}")
@@ -27,21 +28,21 @@ def outside_state() -> tuple[set[str], set[str]]:
 
 
 @needs_root
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)
 def test_a_link_down_and_a_slow_peer_in_namespaces(tmp_path):
     before = outside_state()
     config = default_config().override({
         "run.steps": H * ROUNDS, "diloco.inner_steps": H, "data.eval_every_tokens": 1 << 40,
         "data.eval_batches": 4, "sync.reduce_timeout_s": 8.0, "sync.announce_s": 3.0, "sync.manifest_s": 3.0,
         "checkpoint.every_rounds": 0, "churn.spec": SPEC})
-    sim = Simulation(config, 3, tmp_path / "run", progress=False, timeout_s=360, netns=True)
+    sim = Simulation(config, 3, tmp_path / "run", progress=False, timeout_s=480, netns=True)
     report = sim.run()  # raises if any process group outlived the run or the lab could not be removed
     tag = report["netns_lab"]
 
     churn = {e["kind"]: e for e in report["events"] if e.get("by") == "churn"}
     assert sorted(churn) == ["linkdown", "linkup", "slow"]
     down, up, slow = churn["linkdown"], churn["linkup"], churn["slow"]
-    assert down["peer"] == up["peer"] and down["down_s"] == 12.0 and down["round"] >= DOWN_ROUND
+    assert down["peer"] == up["peer"] and down["down_s"] == 10.0 and down["round"] >= DOWN_ROUND
     assert slow["factor"] == 2.0 and report["churn"]["slowed"] == [slow["name"]]
     # the slow peer read its factor from its file
     told = [e for e in report["events"] if e["kind"] == "slowdown"]
@@ -56,7 +57,10 @@ def test_a_link_down_and_a_slow_peer_in_namespaces(tmp_path):
     assert all(len({r["phi_hash"] for r in rs}) == 1 for rs in others.values())
     without = [n for n, rs in others.items() if n >= down["round"] and down["peer"] not in rs[0]["contributors"]]
     assert without and all(len(others[n][0]["contributors"]) == 2 for n in without)
-    assert report["final_loss"] is not None
+    # the cut-off peer came back once its link was up: it resynced from the swarm and finished the run
+    victim = [r for r in sim.records() if r["peer"] == down["peer"] and r["type"] == "event"]
+    assert any(r["kind"] in ("resync", "state_received") for r in victim) and any(r["kind"] == "done" for r in victim)
+    assert report["final_loss"] is not None and report["failed_peers"] == []
 
     # nothing of the lab is left: namespaces, links, marker, processes
     assert sim.lab.closed and lab_objects(tag) == {"netns": [], "links": []}
