@@ -12,6 +12,11 @@ instead of rerunning them. The table OUT/table.md, OUT/results.json and the loss
 after every cell from every finished cell of the whole grid (seeds 0-2, 4 and 8 peers, every variant),
 whatever subset this run was given, with the grid's cells still missing listed.
 
+Every cell averages the DiLoCo family's pseudo-gradients with the plain mean (BASE:
+`diloco.aggregate = "mean"`), as the reference algorithms do; the robust default is measured by
+experiments/byzantine.py. The overlap variants name their start: `-overlap` the delayed one of
+ALGORITHMS.md §1, `-overlap-eager` the eager one (`overlap_update`).
+
 Columns: final held-out loss (mean ± std over the seeds done), its gap to ddp's at the same peers
 and seeds, bytes per token (everything the peers' gRPC sent, checkpoints apart), compression vs ddp,
 the payload bound (the compression the method's payloads alone would give at its collective's
@@ -58,6 +63,9 @@ VARIANTS = {  # name: (run.algo, extra `simulate` flags[, run-config overrides])
     "sparseloco-overlap-eager": ("sparseloco", ["--overlap"], {"sparseloco.overlap_update": "eager"}),
     "noloco": ("noloco", []),
 }
+
+
+BASE = {"diloco.aggregate": "mean"}  # every cell: the reference algorithms' plain mean (no robust aggregate)
 
 
 def available_variants() -> list[str]:
@@ -125,11 +133,11 @@ def run_cell(out: Path, variant: str, steps: int, peers: int, seed: int, reuse: 
     tmp = path.with_suffix(".partial.json")
     cmd = [sys.executable, "-m", "lowcomm.cli", "simulate", "--peers", str(peers), "--algo", algo, "--steps",
            str(steps), "--seed", str(seed), "--report", str(tmp), "--run-dir", str(out / "runs" / path.stem), *flags]
-    if overrides:  # the embedded default run with these keys changed, as a config file of its own
-        config = out / "runs" / path.stem / "config.json"
-        config.parent.mkdir(parents=True, exist_ok=True)
-        config.write_text(json.dumps(default_config().override(overrides[0]).to_dict(), indent=1))
-        cmd += ["--config", str(config)]
+    config = out / "runs" / path.stem / "config.json"  # the embedded default run, BASE and the variant's keys
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(json.dumps(default_config().override(BASE | (overrides[0] if overrides else {})).to_dict(),
+                                 indent=1))
+    cmd += ["--config", str(config)]
     subprocess.run(cmd, check=True)
     tmp.replace(path)
     rename_figures(out, path.stem)

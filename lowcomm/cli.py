@@ -292,7 +292,8 @@ def simulate(args) -> int:
     args.report.parent.mkdir(parents=True, exist_ok=True)
     args.report.write_text(json.dumps(report, indent=1))
     honest = " (honest peers)" if report.get("byzantine") else ""
-    print(f"final held-out loss{honest} {report['final_loss']:.4f}, {report['tokens']} tokens, "
+    final = f"{report['final_loss']:.4f}" if report["final_loss"] is not None else "n/a (no peer evaluated)"
+    print(f"final held-out loss{honest} {final}, {report['tokens']} tokens, "
           f"{report['bytes_sent'] / 1e6:.2f} MB sent, wall {report['wall_s']:.1f}s, "
           f"compute utilization {report['compute_utilization'] or 0:.2f}"
           + (f", {report['wire_bytes'] / 1e6:.2f} MB on the wire ({report['control_bytes'] / 1e6:.2f} MB DHT)"
