@@ -18,7 +18,9 @@ forged or relabelled one, one for another run or claiming the owner's own id, a 
 weight above `max_weight` (what one round can produce), a round too far ahead; a member's refused
 part closes the slot without it, and the owner's own non-finite part leaves it out of its shard.
 Nothing a remote part does raises into the owner's own round. At most `PER_SENDER_CALLS` Reduce
-calls per sender are served at once; beyond that the call ends with RESOURCE_EXHAUSTED (`Overloaded`).
+calls per sender are served at once, and `STRANGER_CALLS` from all the senders no recent manifest
+names together (so fresh keys cannot take every waiting place from the members); beyond that the
+call ends with RESOURCE_EXHAUSTED (`Overloaded`).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from lowcomm.collectives.combiners import DenseMean
 from lowcomm.collectives.reduce_messages import KIND, part_bytes, part_chunks, reply_chunks, signed_header
 from lowcomm.collectives.reduce_owner import ContributionRejected, OwnerSlots, Slot, validate_weight
 from lowcomm.collectives.config import SyncConfig
-from lowcomm.collectives.sender_calls import SenderCalls
+from lowcomm.collectives.sender_calls import SenderCalls, StrangerCalls
 from lowcomm.proto import wire_pb2
 from lowcomm.transport.service import Overloaded, PeerService
 from lowcomm.transport.signing import Signer, Unauthenticated, Verifier, check_digest
@@ -47,6 +49,7 @@ from lowcomm.transport.wire import Channels, Traffic, WireError, assemble
 logger = logging.getLogger(__name__)
 OK = wire_pb2.ReduceReply.OK
 PER_SENDER_CALLS = 4  # Reduce calls served at once per claimed sender (the overlap needs 2)
+STRANGER_CALLS = 16  # ... and from all senders outside the group's recent manifests (transport.service: 48 in all)
 
 
 @dataclass
@@ -83,6 +86,7 @@ class ShardedReduce(Collective):
         self._suspects: dict[str, frozenset[str]] = {}
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="reduce")
         self._calls = SenderCalls(PER_SENDER_CALLS)  # Reduce calls being served, by claimed sender
+        self._strangers = StrangerCalls(STRANGER_CALLS)  # ... by senders outside the recent manifests
         service.reduce_handler = self._serve_reduce
         service.shard_handler = self._serve_shard
 
@@ -123,6 +127,7 @@ class ShardedReduce(Collective):
             suspects = self._suspects.get(key.group, frozenset())
             manifest = self.agreement.agree(key.group, round_, self.epoch_rounds, self.codec, suspects)
             self._manifests[key.group] = manifest
+            self._strangers.learn(key.group, manifest.members)
         return manifest
 
     def _run(self, key: GroupKey, round_: int, payload, weight: float) -> RoundResult:
@@ -319,17 +324,22 @@ class ShardedReduce(Collective):
             self._reject(first.round, first.sender, e)
             yield wire_pb2.ReduceReply(status=wire_pb2.ReduceReply.REJECTED, round=first.round, error=str(e))
             return
-        release = self._calls.admit(first.sender)
+        release, stranger = self._calls.admit(first.sender), None
         if release is None:
             error = f"too many Reduce calls at once from {first.sender[:40]!r} (at most {PER_SENDER_CALLS})"
+        elif (stranger := self._strangers.admit(first.group, first.sender)) is None:
+            release()
+            error = f"{first.sender[:40]!r} is in no recent manifest and {STRANGER_CALLS} such calls are served"
+        if release is None or stranger is None:
             self._reject(first.round, first.sender, error)
             raise Overloaded(error)
-        context.add_callback(release)
-        context.add_callback(self.slots.wake)
+        for callback in (release, stranger, self.slots.wake):
+            context.add_callback(callback)
         try:
             yield from self._serve_part(first, requests, context)
         finally:
             release()
+            stranger()
 
     def _serve_part(self, first, requests, context):
         slot = None  # set once the (signed) sender is known to be a member of the round

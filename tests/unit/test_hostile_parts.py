@@ -21,7 +21,7 @@ import zstandard
 from lowcomm.collectives.combiners import DenseMean
 from lowcomm.collectives.reduce_messages import KIND
 from lowcomm.collectives.reduce_owner import ContributionRejected, Slot, decode_contribution, validate_weight
-from lowcomm.collectives.sharded_reduce import PER_SENDER_CALLS
+from lowcomm.collectives.sharded_reduce import PER_SENDER_CALLS, STRANGER_CALLS
 from lowcomm.compress import base as codec_base
 from lowcomm.proto import wire_pb2
 from lowcomm.transport.signing import Signer, digest
@@ -263,4 +263,28 @@ def test_calls_beyond_the_servers_cap_are_refused_with_resource_exhausted(nodes)
     assert ping.peer_id == owner.id  # Ping still finds a thread
     release.set()
     for call in held:
+        call.cancel()
+
+
+def test_fresh_keys_hold_no_more_than_the_strangers_places_and_a_member_still_finds_one(nodes):
+    """The live flood (tests/integration/test_outsider_e2e.py): fresh keys, 4 streams each, waiting for the
+    next round's slot filled every waiting place, and the members' parts ended RESOURCE_EXHAUSTED."""
+    owner, member = nodes[0], nodes[1]
+    reduce = owner.reduce(Board(KEY.run, {owner.id, member.id}))
+    reduce.sync = type(SYNC)(**{**SYNC.__dict__, "reduce_timeout_s": OWNER_WAIT_S})
+    reduce._strangers.learn(KEY.group, {owner.id, member.id})  # as after following round 0's manifest
+    open_slot(reduce, 0, {owner.id, member.id}, owner.id)
+    stub, release = member.channels.stub(owner.endpoint), threading.Event()
+    strangers = [Signer.generate() for _ in range(STRANGER_CALLS // PER_SENDER_CALLS + 1)]
+    flood = waiting_streams(stub, [s for s in strangers for _ in range(PER_SENDER_CALLS)], 1, release)
+    wait_until(lambda: reduce.slots.waiting >= STRANGER_CALLS, WAIT_S, "the strangers' calls waiting", poll_s=0.05)
+    wait_until(lambda: len([e for e in rejects(owner) if "no recent manifest" in e["error"]]) >= PER_SENDER_CALLS,
+               WAIT_S, "the strangers beyond their places refused", poll_s=0.05)
+    assert reduce.slots.waiting == STRANGER_CALLS
+    held = waiting_streams(stub, [member.signer], 1, release)  # a member's part for round 1 still waits
+    wait_until(lambda: reduce.slots.waiting > STRANGER_CALLS, WAIT_S, "the member's call waiting", poll_s=0.05)
+    refused = [e for e in rejects(owner) if "no recent manifest" in e["error"]]
+    assert len(refused) == PER_SENDER_CALLS and member.id[:40] not in {e["sender"] for e in refused}
+    release.set()
+    for call in flood + held:
         call.cancel()
