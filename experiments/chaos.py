@@ -148,8 +148,8 @@ def resume_row(root: Path, args) -> dict:
     out["resumed_rounds"] = [min(rounds), max(rounds)] if rounds else None
     out["rounds"] = len(set(range(done_before)) | set(rounds))  # distinct rounds the swarm completed
     out["starts_at_checkpoint"] = received == [checkpoint] and bool(rounds) and min(rounds) == checkpoint
-    out["finished"] = rc == 0 and rc1 == 0 and bool(rounds) and max(rounds) == args.rounds - 1 \
-        and out["starts_at_checkpoint"]
+    # the killed run's own exit code is kept apart (rc_killed): its job is to leave a checkpoint and a report
+    out["finished"] = rc == 0 and bool(rounds) and max(rounds) == args.rounds - 1 and out["starts_at_checkpoint"]
     return out
 
 
@@ -159,17 +159,23 @@ def figures(report: dict, run_dir: Path, args) -> dict:
     events = report["events"]
     sync = json.loads((run_dir / "run.json").read_text())["sync"]
     bound = sync["announce_s"] + sync["manifest_s"] + sync["reduce_timeout_s"] + args.margin_s
-    outages = {}  # peer -> [(down t, up t)] in wall time, from the launcher's churn records
+    records = read_records(run_dir / "peers")
+    outages = {}  # peer -> [(down t, back t)] in wall time: from its link down until it holds the swarm's state again
     launcher = read_records(run_dir / "launcher")
     for down in (r for r in launcher if r.get("kind") == "linkdown"):
         up = next((r["t"] for r in launcher if r.get("kind") == "linkup" and r.get("name") == down["name"]
                    and r["t"] >= down["t"]), float("inf"))
-        outages.setdefault(down["peer"], []).append((down["t"], up))
+        back = min((r["t"] for r in records if r["peer"] == down["peer"] and r.get("kind") == "state_received"
+                    and r["t"] >= up), default=float("inf"))
+        outages.setdefault(down["peer"], []).append((down["t"], back))
     waits, own = [], []
-    for r in (r for r in read_records(run_dir / "peers") if r["type"] == "round"):
+    for r in (r for r in records if r["type"] == "round"):
         hit = any(r["t0"] < up and r["t0"] + r["sync_s"] > down for down, up in outages.get(r["peer"], []))
         (own if hit else waits).append((r["sync_s"], r["round"]))
     churn = Counter(e["kind"] for e in events if e.get("by") == "churn")
+    cut_off = sorted({e["peer"] for e in events if e["kind"] == "linkdown"} - {
+        r["peer"] for r in records if r.get("kind") == "state_received"})
+    finals = [r["loss"] for r in records if r["type"] == "eval" and r.get("final") and r["peer"] not in cut_off]
     return {"final_loss": report["final_loss"], "final_loss_spread": report.get("final_loss_spread"),
             "rounds": len(report["rounds"]), "bound_s": bound,
             "longest_sync_s": max(waits, default=(None, None))[0], "longest_sync_round": max(waits, default=(0, None))[1],
@@ -177,8 +183,26 @@ def figures(report: dict, run_dir: Path, args) -> dict:
             "longest_own_outage_sync_s": max(own, default=(None, None))[0],
             "churn_events": dict(churn), "rejects": sum(e["kind"] == "reject" for e in events),
             "timeouts": sum(e["kind"] == "timeout" for e in events),
+            "timeout_rounds": len({e.get("round") for e in events if e["kind"] == "timeout"}),
+            "cut_off_final": cut_off, "final_loss_without_cut_off": sum(finals) / len(finals) if finals else None,
             "slowdown_events": sum(e["kind"] == "slowdown" for e in events),
             "wall_s": report["wall_s"], "startup_s": report["startup_s"], "failed_peers": report.get("failed_peers", [])}
+
+
+def refigure(path: Path, args) -> None:
+    """Recomputes a row's figures from the report and records it left under OUT/runs."""
+    if not path.exists():
+        return
+    row = json.loads(path.read_text())
+    root = args.out / "runs" / row["row"] / ("resumed" if row["kind"] == "resume" else "")
+    if (root / "report.json").exists():
+        rounds = row.get("rounds")
+        row.update(figures(json.loads((root / "report.json").read_text()), root / "run", args))
+        if row["kind"] == "resume":
+            row["rounds"] = rounds
+            row["finished"] = row["rc"] == 0 and row.get("starts_at_checkpoint") and row["resumed_rounds"] \
+                and row["resumed_rounds"][1] == args.rounds - 1
+        path.write_text(json.dumps(row, indent=1))
 
 
 # ---- the table -----------------------------------------------------------------------------------
@@ -224,7 +248,9 @@ def write_table(out: Path, args) -> str:
              f"{args.seed}, the small model of experiments/byzantine.py. Gap: final held-out loss against the row "
              "without chaos. Longest sync: the longest any peer's round waited in its sync (s) / the bound of one "
              f"round's deadlines (announce + manifest + reduce deadline + {args.margin_s:g} s margin), its round, the "
-             "rounds past it; a peer's own rounds while its link was down are shown apart (own outage).", "",
+             "rounds past it; a peer's own rounds from its link going down until it holds the swarm's state again "
+             "(its next `state_received`) are shown apart (own outage). Final loss: the mean of the peers' final "
+             "evaluations, with their spread.", "",
              f"Chaos schedule: `{args.spec}`.", "",
              "| row | final loss | gap vs none | rounds | longest sync (s) / bound | churn events | rejects "
              "| timeouts | wall (s) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -234,10 +260,20 @@ def write_table(out: Path, args) -> str:
         if row is None:
             missing.append(row_name(kind, args))
             continue
-        loss = row.get("final_loss")
-        lines.append(f"| {kind} | {_loss(loss)} | {_gap(loss, base)} | {_rounds(row, args)} | {_stall(row)} | "
-                     f"{_events(row)} | {row.get('rejects', 'n/a')} | {row.get('timeouts', 'n/a')} | "
-                     f"{row['row_wall_s']:.0f} |")
+        loss, spread = row.get("final_loss"), row.get("final_loss_spread") or 0
+        shown = _loss(loss) + (f" (spread {spread:.4f})" if spread > 1e-6 else "")
+        timeouts = f"{row.get('timeouts', 'n/a')} in {row.get('timeout_rounds', 'n/a')} rounds"
+        lines.append(f"| {kind} | {shown} | {_gap(loss, base)} | {_rounds(row, args)} | {_stall(row)} | "
+                     f"{_events(row)} | {row.get('rejects', 'n/a')} | {timeouts} | {row['row_wall_s']:.0f} |")
+    for kind in args.rows:
+        row = done.get(row_name(kind, args), {})
+        if row.get("cut_off_final"):
+            rest = row["final_loss_without_cut_off"]
+            lines += ["", f"{kind}: {len(row['cut_off_final'])} peer(s) whose link went down never downloaded the "
+                      f"swarm's state again ({', '.join(row['cut_off_final'])}): cut off, they went on in rounds of "
+                      f"their own (until killed, or to the end, when their final evaluation is in the mean); the "
+                      f"other peers' final loss "
+                      f"is {_loss(rest)} ({_gap(rest, base)} vs none)."]
     if missing:
         lines += ["", f"Rows still missing: {', '.join(missing)}."]
     table = "\n".join(lines) + "\n"
@@ -260,11 +296,15 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=REPO / "experiments" / "out" / "chaos")
     ap.add_argument("--timeout-s", type=float, default=1500.0, help="a simulate still running after this is stopped")
     ap.add_argument("--table-only", action="store_true", help="rewrite OUT/table.md from the rows done")
+    ap.add_argument("--refigure", action="store_true", help="with --table-only: recompute the rows' figures from "
+                    "their reports and records under OUT/runs first")
     args = ap.parse_args()
     if not args.netns:  # a link can be taken down only in namespace mode
         args.spec = ",".join(part for part in args.spec.split(",") if not part.strip().startswith("linkdown"))
     args.out.mkdir(parents=True, exist_ok=True)
     if args.table_only:
+        for kind in args.rows if args.refigure else []:
+            refigure(args.out / f"{row_name(kind, args)}.json", args)
         print(write_table(args.out, args))
         return 0
     todo = [kind for kind in args.rows if not (args.out / f"{row_name(kind, args)}.json").exists()]
