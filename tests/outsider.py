@@ -324,8 +324,8 @@ def stream_flood(outsider: Outsider, keys: list[Signer], stop: threading.Event, 
 
 
 def attack_rounds(outsider: Outsider, flood_keys: list[Signer], run_dir: Path, until: float, log) -> None:
-    """The stream flood throughout, and one of every other attack per round the swarm starts, until the
-    stop file or ``until``."""
+    """One of every other attack per round the swarm starts, and the stream flood from the end of the
+    first round's attacks on, until the stop file or ``until``."""
     stop_file, stop = run_dir / "outsider.stop", threading.Event()
     numel, attacked, flood = None, set(), []
     try:
@@ -338,7 +338,6 @@ def attack_rounds(outsider: Outsider, flood_keys: list[Signer], run_dir: Path, u
             if numel is None:
                 numel = outsider.copy_state(manifest["endpoints"][manifest["owners"][0]])
                 log([{"attack": "copied_state", "numel": numel, "status": "OK"}])
-                flood = stream_flood(outsider, flood_keys, stop, log, owners=len(manifest["owners"]))
             with ThreadPoolExecutor(max_workers=6) as pool:
                 jobs = [pool.submit(forged_parts, outsider, manifest, numel),
                         pool.submit(outsider_parts, outsider, manifest, numel),
@@ -351,6 +350,8 @@ def attack_rounds(outsider: Outsider, flood_keys: list[Signer], run_dir: Path, u
                         log(job.result())
                     except Exception as e:  # an attack that failed on the outsider's side is still recorded
                         log([{"attack": "error", "status": "ERROR", "error": f"{type(e).__name__}: {e}"[:300]}])
+            if not flood:  # after one burst that no flood crowds out: every refusal's reason is seen once
+                flood = stream_flood(outsider, flood_keys, stop, log, owners=len(manifest["owners"]))
     finally:
         stop.set()
         for t in flood:
