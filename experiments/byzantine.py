@@ -202,7 +202,7 @@ def main() -> int:
         print(write_table(args.out, planned, args))
         return 0
     planned_runs = [(*r, args.seed) for r in planned] + [("honest", 0, "default", s) for s in args.noise_seeds]
-    todo = [r for r in planned_runs if not (args.out / f"{row_name(*r, args)}.json").exists()]
+    todo = [r for r in planned_runs if not (args.out / f"{row_name(*r[:3], args, r[3])}.json").exists()]
     print(f"{len(todo)} of {len(planned_runs)} rows to run, one at a time", flush=True)
     took = []
     for i, (kind, f, aggregate, seed) in enumerate(todo):
