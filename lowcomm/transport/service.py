@@ -13,8 +13,11 @@ a Ping is refused with RESOURCE_EXHAUSTED).
 
 The calls that may wait (Reduce, GetShard, GetState, Exchange) are admitted `MAX_WAITING_CALLS` at
 a time, fewer than the server's threads, so a flood of them never starves Ping or the stage calls:
-one beyond the cap ends at once with RESOURCE_EXHAUSTED and counts as an error (a `reject` event). A
-handler that raises `Overloaded` (its own per-sender cap) ends its call the same way.
+one beyond the cap ends at once with RESOURCE_EXHAUSTED and counts as an error (a `reject` event).
+GetState, which anyone may call (a joiner has no membership to prove), holds at most
+`METHOD_CAPS["GetState"]` of those places, so a flood of state requests waiting for a far round
+cannot starve the members' Reduce calls. A handler that raises `Overloaded` (its own per-sender
+cap) ends its call the same way.
 
 A stage call passes the runtime's `stage_guard` first; a guard reports its own refusals (with the
 sender) and raises `Refused`, so each refused call is one `reject` event, not two. A stage serves
@@ -40,6 +43,7 @@ DIAL_BACKS = 4  # dial-backs running at once; each holds a server thread up to D
 DIAL_BACK_TIMEOUT_S = 5.0
 MAX_WAITING_CALLS = 48  # Reduce, GetShard, GetState and Exchange calls served at once (start_server: 64 threads)
 MAX_STAGE_CALLS = 8  # stage calls in a server at once (served one at a time; the others wait their turn)
+METHOD_CAPS = {"GetState": 8}  # of the waiting calls: GetState is unsigned (anyone may ask for the state)
 
 
 class Overloaded(RuntimeError):
@@ -100,6 +104,7 @@ class PeerService(wire_pb2_grpc.PeerServicer):
         self._dial_backs = threading.BoundedSemaphore(DIAL_BACKS)
         self._stage_calls = threading.BoundedSemaphore(MAX_STAGE_CALLS)
         self._waiting = 0  # calls admitted by _admit and not yet over
+        self._by_method: dict[str, int] = {}  # the same, per method
         self.max_waiting_calls = MAX_WAITING_CALLS
         self.on_error: Callable[[str, str], None] | None = None
 
@@ -116,15 +121,19 @@ class PeerService(wire_pb2_grpc.PeerServicer):
 
     def _admit(self, method: str, context) -> Callable[[], None]:
         """A one-shot release of this call's place among the waiting calls (also run when the call
-        ends); a call beyond `max_waiting_calls` is counted and ended with RESOURCE_EXHAUSTED."""
+        ends); a call beyond `max_waiting_calls`, or beyond its method's own cap (`METHOD_CAPS`), is
+        counted and ended with RESOURCE_EXHAUSTED."""
+        cap = METHOD_CAPS.get(method)
         with self._lock:
-            admitted = self._waiting < self.max_waiting_calls
-            if admitted:
+            full = (f"{self.max_waiting_calls} calls are served already" if self._waiting >= self.max_waiting_calls
+                    else f"{cap} {method} calls are served already"
+                    if cap is not None and self._by_method.get(method, 0) >= cap else None)
+            if full is None:
                 self._waiting += 1
-        if not admitted:
-            self._failed(method, Overloaded(f"{self.max_waiting_calls} calls are served already"), context)
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"this peer serves {self.max_waiting_calls} calls already; retry later")
+                self._by_method[method] = self._by_method.get(method, 0) + 1
+        if full is not None:
+            self._failed(method, Overloaded(full), context)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"this peer is busy ({full}); retry later")
         released = []
 
         def release():
@@ -132,6 +141,7 @@ class PeerService(wire_pb2_grpc.PeerServicer):
                 if not released:
                     released.append(True)
                     self._waiting -= 1
+                    self._by_method[method] -= 1
 
         context.add_callback(release)
         return release
