@@ -1,6 +1,9 @@
-"""Per-method caps on a server's calls. A stage serves one call at a time: at most MAX_STAGE_CALLS wait for it in a server, one more is
+"""Per-method caps on a server's calls.
+
+A stage serves one call at a time: at most MAX_STAGE_CALLS wait for it in a server, one more is
 answered BUSY at once and counted (a `reject` event), and the waiting ones are served once the stage
-is free. A run peer that floods a stage holds a handful of server threads, not all of them."""
+is free. A run peer that floods a stage holds a handful of server threads, not all of them. State
+requests (unsigned) hold at most their own cap of the waiting places."""
 
 from __future__ import annotations
 
