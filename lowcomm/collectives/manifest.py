@@ -18,6 +18,12 @@ epoch, so per-step algorithms do not touch the DHT every step).
 ``admits(peer_id)`` (the run's mode, runtime.admission) says who may be a member at all: the leader
 leaves announcers it refuses out of the manifest, they are never candidate leaders nor waited for,
 and a manifest written by such a peer, or naming one, is refused (each a `reject` event).
+
+With ``quorum`` (training peers; docs/round-protocol.md, Decision 27) a peer writes a manifest only
+for a majority of the previous manifest's members still live in the DHT (a killed peer's record
+expires, a leaver's is tombstoned), and never one naming only itself after a round with others, nor
+follows such a manifest: a peer cut off from the swarm fails the round (after `quorum_wait_s`) instead
+of training alone on a φ of its own.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from lowcomm.transport.control import ControlPlane, PeerRecord
 
 logger = logging.getLogger(__name__)
 POLL_S = 0.05
+QUORUM_POLL_S = 0.5  # how often a writer short of a quorum looks again (announcers and live records)
 KNOWN_MANIFESTS = 8  # per group: the manifests remembered for the writer check
 
 
@@ -79,11 +86,13 @@ class ManifestAgreement:
 
     def __init__(self, control: ControlPlane, sync: SyncConfig, endpoint: str, client_mode: bool = False,
                  on_event=None, due_in_group: Callable[[str, PeerRecord], bool] | None = None,
-                 admits: Callable[[str], bool] | None = None):
+                 admits: Callable[[str], bool] | None = None, quorum: bool = False):
         """`due_in_group(group, record)`: whether a live peer is expected in the group's rounds (pipelines:
         only the replicas of the group's stage); by default every training or joining peer is.
-        `admits(peer_id)`: whether the run lets that peer be a member (default: everyone)."""
+        `admits(peer_id)`: whether the run lets that peer be a member (default: everyone).
+        `quorum`: write and follow only manifests a majority of the previous members' live ones reached."""
         self.control = control
+        self.quorum = quorum
         self.admits = admits or (lambda peer_id: True)
         self.due_in_group = due_in_group or (lambda group, record: True)
         self.on_event = on_event or (lambda kind, **fields: None)
@@ -187,21 +196,59 @@ class ManifestAgreement:
         else:  # the previous members first: a newcomer leads only once each of them had its turn
             order = [p for p in candidates if p in trusted] + [p for p in candidates if p not in trusted]
             first_outside = sum(p in trusted for p in candidates)
-        published = False
+        published, short, checked = False, None, float("-inf")
+        mine = order.index(self.me) if self.me in order else None
         started = time.monotonic()
         while True:
-            turn = int((time.monotonic() - started) // self.sync.manifest_s)
+            now = time.monotonic()
+            turn = int((now - started) // self.sync.manifest_s)
             fallback = frozenset(order[first_outside:turn + 1])
             manifests = self.control.manifests(group, round_)
             if manifests and self._pick(manifests, group, round_, fallback) is not None:
                 return self._follow(manifests, group, round_, fallback)
-            if turn >= len(order):
-                raise CollectiveError(f"no manifest for round {round_} after {len(order)} candidate leaders")
-            if order[turn] == self.me and not published:
+            if turn >= len(order) and (short is None or now - started >= self.quorum_wait_s):
+                raise CollectiveError(f"no manifest for round {round_} after {len(order)} candidate leaders"
+                                      + (f": {short}" if short else ""))
+            if mine is not None and turn >= mine and not published and now - checked >= QUORUM_POLL_S:
+                checked = now
                 announcers = {**(self.control.announcers(group, round_) or announcers), self.me: self._presence}
-                self._publish(group, round_, epoch_rounds, codec, announcers, ttl)
-                published = True
+                reason = self.short_of_quorum(group, round_, self._members(group, round_, announcers))
+                if reason is None:
+                    self._publish(group, round_, epoch_rounds, codec, announcers, ttl)
+                    published = True
+                elif short is None:  # the round waits (up to quorum_wait_s) for the others or their records' expiry
+                    self.on_event("timeout", round=round_, stage="quorum", reason=reason)
+                    logger.info("round %d: no manifest written: %s", round_, reason)
+                short = reason
             time.sleep(POLL_S)
+
+    @property
+    def quorum_wait_s(self) -> float:
+        """How long a writer short of a quorum waits: long enough for a killed member's record to expire."""
+        return self.sync.record_ttl_s + self.sync.heartbeat_s + self.sync.manifest_s
+
+    def short_of_quorum(self, group: str, round_: int, members) -> str | None:
+        """Why this peer must not write (or follow) a manifest of ``round_`` naming ``members``; None if it may.
+
+        The previous manifest's members still live in the DHT (this peer counts as live) must be a
+        majority among ``members``, and a peer that was a member of a previous manifest with others
+        never takes a round alone. Without ``quorum``, or without a previous manifest, anything goes;
+        when none of the previous members is live any more (they all left), the run goes on."""
+        previous = self.trusted(group, round_)
+        if not self.quorum or previous is None:
+            return None
+        if self._solo_after_others(previous, members):
+            return "this peer alone reached the round, and the previous round had other members"
+        live = {p for p, rec in self.control.live_peers().items() if rec.state != "leaving"} | {self.me}
+        standing = previous & live
+        present = standing & set(members)
+        if standing and 2 * len(present) <= len(standing):
+            return (f"{len(present)} of the previous round's {len(standing)} live members reached it, "
+                    "not a majority")
+        return None
+
+    def _solo_after_others(self, previous: frozenset[str], members) -> bool:
+        return self.me in previous and bool(previous - {self.me}) and set(members) <= {self.me}
 
     def _gather(self, group: str, round_: int, suspects: frozenset[str]) -> dict[str, dict]:
         """Announcers, once every live peer due in this round has reached it or `announce_s` passed.
@@ -233,11 +280,16 @@ class ManifestAgreement:
         manifests = self.control.manifests(group, round_)
         return bool(manifests) and self._pick(manifests, group, round_) is not None
 
-    def _publish(self, group, round_, epoch_rounds, codec, announcers, ttl) -> None:
+    def _members(self, group: str, round_: int, announcers: dict[str, dict]) -> list[str]:
+        """The members a manifest of these announcers names: the well-formed ones the run admits."""
         members = sorted(p for p, v in announcers.items() if isinstance(v.get("endpoint"), str))
         for outsider in [p for p in members if not self.admits(p)]:
             self._refuse(group, round_, outsider, "an announcement from a peer the run does not admit")
             members.remove(outsider)
+        return members
+
+    def _publish(self, group, round_, epoch_rounds, codec, announcers, ttl) -> None:
+        members = self._members(group, round_, announcers)
         # Owners: the members that reached the round (the writer among them), not those announced ahead.
         owners = [p for p in members if not announcers[p].get("client_mode") and not announcers[p].get("ahead")]
         manifest = Manifest(self.control.run, group, round_, epoch_rounds, self.me, members,
@@ -269,6 +321,9 @@ class ManifestAgreement:
         manifest = self._pick(manifests, group, round_, fallback)
         if manifest is None:
             raise CollectiveError(f"round {round_}: every manifest that counts was malformed")
+        previous = self.trusted(group, round_)
+        if self.quorum and previous is not None and self._solo_after_others(previous, manifest.members):
+            raise CollectiveError(f"round {round_}: a manifest naming only this peer after a round with others")
         self._remember(manifest)
         if self.me not in manifest.members:
             raise NotInRound(f"round {round_}: this peer is not in the manifest (announced too late)", manifest)

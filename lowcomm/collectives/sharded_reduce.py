@@ -179,6 +179,9 @@ class ShardedReduce(Collective):
                 self.slots.hold(key.group, round_, j, filled.blob, filled.contributors)
                 self.on_event("hole_filled", round=round_, shard=j, owner=manifest.owners[j])
         lost = [j for j in range(len(manifest.owners)) if j not in replies]
+        if my_shard is not None and len(lost) == len(manifest.owners) - 1 > 0 and replies[my_shard].contributors == [self.me]:
+            self.end_epoch(key)  # nothing reached it and nothing came back: cut off, not a round (Decision 27)
+            raise CollectiveError(f"round {round_}: no other member's part or shard came: this peer is cut off")
         for j in lost:
             # Nobody received it: its owner died before replying to anyone. Every member that lost it
             # applies no update to that slice (the drift check resyncs a member that raced and got it).

@@ -21,15 +21,22 @@ from collections.abc import Callable
 
 from lowcomm.algorithms.base import Replica
 from lowcomm.collectives.manifest import ManifestAgreement
-from lowcomm.runtime.context import PeerContext
+from lowcomm.runtime.context import PeerContext, round_timeout
 from lowcomm.runtime.membership import Membership
 from lowcomm.runtime.progress import Progress
 from lowcomm.runtime.round_anchor import Anchor, agreed_hash, read_anchor
 from lowcomm.runtime.state_transfer import StateError, decode_state, download_state, encode_state, state_phi_hash
 
 MAX_STATE_BYTES = 8 << 30
-FETCH_DEADLINE_S = 600.0
+FETCH_DEADLINE_S = 600.0  # a joiner's wait for a source (the run may not have started)
+STATE_WAIT_S = 120.0  # how long a source may hold a download back until it reaches the requested round
 ANCHOR_SLACK_S = 5.0  # beyond sync.announce_s, how long a download waits for the coordinator's anchor
+
+
+def resync_deadline_s(sync) -> float:
+    """How long a resync looks for a source: one round's own deadline (context.round_timeout) plus a
+    record's lifetime. Past it nobody can serve (the swarm finished, or this peer is still cut off)."""
+    return round_timeout(sync) + sync.record_ttl_s
 
 
 def drift_sources(hashes: dict[str, str], me: str, voters=None) -> list[str] | None:
@@ -84,7 +91,7 @@ class StateSync:
         """Downloads the global state from the peer with the newest round (of `prefer` where one of them
         is training); False if there is none."""
         ctx, me = self.ctx, self.ctx.me
-        deadline = time.monotonic() + FETCH_DEADLINE_S
+        deadline = time.monotonic() + (FETCH_DEADLINE_S if min_round is None else resync_deadline_s(self.config.sync))
         empty_since = None
         refused: set[str] = set()  # sources whose state was refused: another one is tried
         while time.monotonic() < deadline and not ctx.stop.is_set():
@@ -116,11 +123,13 @@ class StateSync:
                 source = max(records, key=lambda r: r.round)
                 target = max(min_round or 0, source.round)
             self.membership.set(state="joining", round=target)
-            loaded = self._load_from(source, target)
+            loaded = self._load_from(source, target, deadline)
             if loaded:
                 return True
             if loaded is False:
                 refused.add(source.peer_id)
+            elif ctx.stop.wait(0.5):  # no state there (unreachable, or not at the round): not at once again
+                break
         return False
 
     def _admitted(self, peer_id: str) -> bool:
@@ -132,12 +141,14 @@ class StateSync:
             self.ctx.log.event("reject", sender=peer_id[:40], reason="a state source the run does not admit")
         return False
 
-    def _load_from(self, source, target: int) -> bool | None:
-        """True: loaded; False: the source's state was refused (its φ is not the agreed one); None: no state."""
+    def _load_from(self, source, target: int, deadline: float) -> bool | None:
+        """True: loaded; False: the source's state was refused (its φ is not the agreed one); None: no state.
+        The source holds the download back until it reaches ``target``, at most until ``deadline``."""
         ctx, replica = self.ctx, self.replica
+        wait_s = min(STATE_WAIT_S, max(1.0, deadline - time.monotonic()))
         try:
             state = download_state(ctx.channels, ctx.traffic, source.endpoint, ctx.options.run_name, ctx.me,
-                                   target, wait_s=120.0, timeout=60.0, max_bytes=MAX_STATE_BYTES)
+                                   target, wait_s=wait_s, timeout=60.0, max_bytes=MAX_STATE_BYTES)
             if state.config_hash != self.config.config_hash():
                 raise StateError(f"state is for config {state.config_hash}, this run is {self.config.config_hash()}")
             if int(state.round) < target:
@@ -203,11 +214,14 @@ class StateSync:
             # the run ends before the next boundary: nothing left to join, stop as done
             self._end(self.config.run.steps, "late_at_end", round_)
             return
+        started = time.monotonic()
         if self.fetch(min_round=round_ + 1, prefer=sources):
             self.membership.set(state="training")  # a source for others again, and shown as training
         else:
             if ctx.stop.is_set():
                 return
+            ctx.log.event("resync_failed", round=round_, waited_s=round(time.monotonic() - started, 1),
+                          reason="no source served the state within the resync deadline")
             if not any(r.state == "training" for r in ctx.control.live_peers().values()):
                 # everyone else finished and left while this peer was behind: the run is over
                 self._end(self.config.run.steps, "run_over", round_)
