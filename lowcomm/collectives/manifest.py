@@ -20,10 +20,11 @@ leaves announcers it refuses out of the manifest, they are never candidate leade
 and a manifest written by such a peer, or naming one, is refused (each a `reject` event).
 
 With ``quorum`` (training peers; docs/round-protocol.md, Decision 27) a peer writes a manifest only
-for a majority of the previous manifest's members still live in the DHT (a killed peer's record
-expires, a leaver's is tombstoned), and never one naming only itself after a round with others, nor
-follows such a manifest: a peer cut off from the swarm fails the round (after `quorum_wait_s`) instead
-of training alone on a φ of its own.
+once a majority of the previous manifest's members still live in the DHT (a killed peer's record
+expires, a leaver's is tombstoned) reached the round, never one that only it reached after a round
+with others, and follows no manifest naming only itself after such a round: a peer cut off from the
+swarm fails the round (after `quorum_wait_s`, withdrawing its announcement) instead of training
+alone on a φ of its own.
 """
 
 from __future__ import annotations
@@ -207,12 +208,14 @@ class ManifestAgreement:
             if manifests and self._pick(manifests, group, round_, fallback) is not None:
                 return self._follow(manifests, group, round_, fallback)
             if turn >= len(order) and (short is None or now - started >= self.quorum_wait_s):
+                self._give_up(group, round_)
                 raise CollectiveError(f"no manifest for round {round_} after {len(order)} candidate leaders"
                                       + (f": {short}" if short else ""))
             if mine is not None and turn >= mine and not published and now - checked >= QUORUM_POLL_S:
                 checked = now
                 announcers = {**(self.control.announcers(group, round_) or announcers), self.me: self._presence}
-                reason = self.short_of_quorum(group, round_, self._members(group, round_, announcers))
+                reached = [p for p in self._members(group, round_, announcers) if not announcers[p].get("ahead")]
+                reason = self.short_of_quorum(group, round_, reached)
                 if reason is None:
                     self._publish(group, round_, epoch_rounds, codec, announcers, ttl)
                     published = True
@@ -222,13 +225,22 @@ class ManifestAgreement:
                 short = reason
             time.sleep(POLL_S)
 
+    def _give_up(self, group: str, round_: int) -> None:
+        """Takes back this peer's announcement of a round it fails: a manifest written later must not
+        name it as a member that reached the round (an owner whose shard never comes)."""
+        try:
+            self.withdraw(group, round_)
+        except Exception as e:  # the DHT may be out of reach (a cut-off peer): the record then expires
+            logger.info("round %d: withdrawing the announcement failed: %s", round_, e)
+
     @property
     def quorum_wait_s(self) -> float:
         """How long a writer short of a quorum waits: long enough for a killed member's record to expire."""
         return self.sync.record_ttl_s + self.sync.heartbeat_s + self.sync.manifest_s
 
     def short_of_quorum(self, group: str, round_: int, members) -> str | None:
-        """Why this peer must not write (or follow) a manifest of ``round_`` naming ``members``; None if it may.
+        """Why this peer must not write a manifest of ``round_`` whose ``members`` reached it; None if it may.
+        A member known only from its announcement ahead does not count: it may be far behind, or gone.
 
         The previous manifest's members still live in the DHT (this peer counts as live) must be a
         majority among ``members``, and a peer that was a member of a previous manifest with others

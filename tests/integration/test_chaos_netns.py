@@ -1,7 +1,9 @@
 """Chaos in namespace mode with real processes: one peer's link taken down (`linkdown`) for longer
 than the reduce deadline while the others go on, and one peer made slower (`slow`). Assertions are
-on events, contributor lists and the other peers' φ hashes (the cut-off peer's own rounds are not
-checked), never on durations; every wait has a deadline. Skipped without
+on events, contributor lists and the other peers' φ hashes, never on durations; every wait has a
+deadline. The cut-off peer's rounds are checked only for never being its own alone (Decision 27 in
+docs/round-protocol.md): it fails the rounds it cannot form, resyncs once its link is up and is
+among the swarm's contributors again before the run ends. Skipped without
 root or network namespaces, like the other netns tests."""
 
 from __future__ import annotations
@@ -60,6 +62,12 @@ def test_a_link_down_and_a_slow_peer_in_namespaces(tmp_path):
     # the cut-off peer came back once its link was up: it resynced from the swarm and finished the run
     victim = [r for r in sim.records() if r["peer"] == down["peer"] and r["type"] == "event"]
     assert any(r["kind"] in ("resync", "state_received") for r in victim) and any(r["kind"] == "done" for r in victim)
+    # it never applied a round alone (Decision 27): none naming only itself, none in which only its own part counted
+    alone = [r["round"] for r in sim.records() if r["peer"] == down["peer"] and r["type"] == "round"
+             and [down["peer"]] in (r["participants"], r["contributors"])]
+    assert alone == []
+    # ... and it trained with the swarm again: the others' rounds count its part once more before the run ends
+    assert any(n >= up["round"] and down["peer"] in rs[0]["contributors"] for n, rs in others.items())
     assert report["final_loss"] is not None and report["failed_peers"] == []
 
     # nothing of the lab is left: namespaces, links, marker, processes

@@ -71,6 +71,17 @@ def test_a_peer_that_sees_only_itself_after_a_round_with_others_writes_no_manife
     assert x.trusted(GROUP, ROUND + 1) == frozenset({"a", "b", "x"})  # no solo round remembered
 
 
+def test_members_announced_only_ahead_make_no_quorum_and_the_failed_round_is_withdrawn():
+    store, live = {}, training("a", "b", "x")
+    for peer in ("a", "b"):  # announced ahead before x's link went down: x still reads them
+        agreement(peer, store, live, None).announce(GROUP, ROUND, ahead=True)
+    x = agreement("x", store, live, ["a", "b", "x"])
+    with pytest.raises(CollectiveError, match="alone"):
+        x.agree(GROUP, ROUND, 1, "fp32")
+    assert MemoryControl("a", store, live).manifests(GROUP, ROUND) == {}
+    assert "x" not in MemoryControl("a", store, live).announcers(GROUP, ROUND)  # no later manifest names it
+
+
 def test_a_manifest_naming_only_this_peer_after_a_round_with_others_is_not_followed():
     store, live = {}, training("x")
     solo = Manifest("run", GROUP, ROUND, 1, "x", ["x"], {"x": "x:1"}, ["x"], "fp32")
@@ -109,7 +120,7 @@ def test_the_survivors_of_a_killed_majority_go_on_once_the_dead_records_expire()
     def on_event(me, kind, fields):
         events.append((me, kind, fields))
         if kind == "timeout" and fields.get("stage") == "quorum" and not expired.is_set():
-            expired.set()  # the first shortfall: the dead records expire now
+            expired.set()  # the dead records expire at the first shortfall
             for dead in ("c", "d", "e"):
                 live.pop(dead, None)
 
