@@ -134,6 +134,15 @@ class OwnerSlots:
             self._cond.notify_all()
             return self._slots[key]
 
+    def reach(self, group: str, round_: int) -> None:
+        """This peer runs (or caught up) ``round_``, a slot of its own there or not: parts up to
+        AHEAD_ROUNDS past it wait for their slot (after a resync or a round without a shard, the newest
+        slot opened is older, and a member's part for the round in hand read as too far ahead)."""
+        with self._cond:
+            self._newest[group] = max(self._newest.get(group, -1), round_)
+            self._forget_old(group)
+            self._cond.notify_all()
+
     def wait_slot(self, group: str, round_: int, timeout: float, active=None) -> Slot:
         """The slot of (group, round), waiting up to ``timeout`` for it to open, while ``active()`` holds
         (the caller's call is alive; ``wake`` makes a wait look at it at once)."""

@@ -132,6 +132,7 @@ class ShardedReduce(Collective):
 
     def _run(self, key: GroupKey, round_: int, payload, weight: float) -> RoundResult:
         t0 = time.monotonic()
+        self.slots.reach(key.group, round_)
         manifest = self._manifest_for(key, round_)
         if self.before_send is not None:
             self.before_send(round_)
@@ -277,6 +278,7 @@ class ShardedReduce(Collective):
         round but stays on the shared φ at the cost of one round's download instead of the state.
         """
         t0 = time.monotonic()
+        self.slots.reach(key.group, round_)
         deadline = t0 + self.sync.reduce_timeout_s + 2 * self.sync.manifest_s
         bounds = self.combiner.shard_bounds(len(manifest.owners), numel)
         replies: dict[int, ShardReply] = {}

@@ -1,8 +1,8 @@
 """A peer cut off from the swarm (docs/round-protocol.md, Decision 27): it neither writes nor follows a
 round it would take alone after a round with others, a minority writes no manifest while the majority
 is live, the survivors of a killed majority go on once the dead records expire, a one-peer run still
-runs, a reduce in which nothing reached the peer and nothing came back is no round, and a resync that
-no source serves gives up at its deadline.
+runs, a reduce in which nothing reached the peer and nothing came back is no round, a peer back in the
+swarm awaits the parts of the round it runs, and a resync that no source serves gives up at its deadline.
 
 Manifest cases run over test_who_counts' in-memory control plane; the reduce case over real gRPC on
 loopback (test_sharded_reduce's nodes). No assertion is on a duration.
@@ -17,6 +17,7 @@ import pytest
 from lowcomm.collectives.base import CollectiveError
 from lowcomm.collectives.config import SyncConfig
 from lowcomm.collectives.manifest import Manifest, ManifestAgreement
+from lowcomm.collectives.reduce_owner import ContributionRejected, OwnerSlots, Slot
 from lowcomm.transport.control import PeerRecord
 from unit import test_sharded_reduce
 from unit.test_sharded_reduce import KEY, WAIT_S, Board, payload
@@ -163,3 +164,19 @@ def test_a_resync_that_no_source_serves_gives_up_at_its_deadline():
     kinds = [kind for kind, _ in events]
     assert kinds == ["resync", "resync_failed", "run_over"]
     assert sync.progress.step == sync.config.run.steps  # it ends as done, its final evaluation due
+
+
+def test_a_peer_back_in_the_swarm_awaits_the_parts_of_the_round_it_runs():
+    """A peer that resynced or caught up opened its newest slot rounds ago; a member's part for the round
+    it runs waits for its slot instead of being refused as too far ahead (the returning peer's refusals)."""
+    slots = OwnerSlots()
+    slots.open(Slot("g", 1, 0, frozenset({"a", "x"}), (0, 4), None, deadline=0.0))
+    slots.reach("g", 4)  # it caught up round 2, resynced to round 4 and agreed round 4's manifest
+    waiter = threading.Thread(target=lambda: found.append(slots.wait_slot("g", 4, timeout=WAIT_S)))
+    found = []
+    waiter.start()
+    opened = slots.open(Slot("g", 4, 0, frozenset({"a", "x"}), (0, 4), None, deadline=0.0))
+    waiter.join(WAIT_S)
+    assert found == [opened]
+    with pytest.raises(ContributionRejected, match="too far ahead"):  # beyond the overlap's reach: still refused
+        slots.wait_slot("g", 7, timeout=WAIT_S)
