@@ -217,18 +217,3 @@ def test_entering_without_the_rounds_manifest_drops_it():
     replica = Overlapped(inner, manifest_of=lambda round_: None)
     assert not replica.enter(3, wait_s=0.2)
     assert replica.pending is None
-
-
-def test_sparseloco_lookahead_is_its_outer_step():
-    """SparseLoCo's look-ahead is φ − η_out·Δ (no momentum), the step step_outer takes, φ untouched."""
-    from lowcomm.algorithms.sparseloco import SparseLoCoConfig
-    from lowcomm.algorithms.sparseloco_replica import SparseLoCo
-
-    rep = SparseLoCo(make_model(), SparseLoCoConfig(outer_lr=0.8), InProcessGroup(1).replica(0), KEY)
-    g = torch.Generator().manual_seed(4)
-    delta = [torch.randn(p.shape, generator=g) for p in rep.phi]
-    before = phis(rep)
-    ahead = rep.lookahead(delta)
-    assert close(rep.phi, before)
-    rep.step_outer(RoundResult(torch.cat([d.reshape(-1) for d in delta]), ["a"]))
-    assert close(ahead, rep.phi)
