@@ -34,7 +34,6 @@ class DilocoConfig:
     nesterov: bool = True
     codec: str = "uint8"  # one of CODECS
     overlap: bool = False  # one-step-delay overlap (ALGORITHMS.md §1)
-    overlap_update: str = "eager"  # where an overlapped round starts: eager | delayed (algorithms.overlap)
     aggregate: str = "median-clip"  # how a shard owner combines the Δ parts: one of collectives.robust.AGGREGATES
     trim_fraction: float = 0.25  # trimmed-mean: share of values left out at each end of a coordinate, in [0, 0.5)
     clip_tau: float = 1.0  # centered-clip: τ as a multiple of the parts' median distance from the clipped mean
@@ -64,21 +63,6 @@ class DiLoCo(OuterReplica):
             offset += p.numel()
         self.outer.step()
         self.outer.zero_grad(set_to_none=True)
-
-    @torch.no_grad()
-    def lookahead(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:
-        """φ after an outer step on ``delta``, φ and the momentum left as they are (torch SGD's rule,
-        no dampening or weight decay: the first step's buffer is the gradient itself)."""
-        group = self.outer.param_groups[0]
-        lr, mu, nesterov = group["lr"], group["momentum"], group["nesterov"]
-        out = []
-        for p, g in zip(self.phi, delta):
-            if mu:
-                buf = self.outer.state.get(p, {}).get("momentum_buffer")
-                buf = g.clone() if buf is None else buf * mu + g
-                g = g + buf * mu if nesterov else buf
-            out.append(p.detach() - g * lr)
-        return out
 
     # ---- state for joiners, resyncs and checkpoints ------------------------------------------
 

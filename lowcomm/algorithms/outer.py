@@ -64,10 +64,6 @@ class OuterReplica(Replica):
     def step_outer(self, result: RoundResult) -> None:
         raise NotImplementedError
 
-    def lookahead(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:
-        """φ after an outer step on ``delta``, without taking it (the eager overlap's start)."""
-        raise NotImplementedError
-
     def apply(self, result: RoundResult) -> None:
         """The outer step on the agreed aggregate, then θ ← φ."""
         self.step_outer(result)

@@ -6,16 +6,7 @@ Each replica (φ_0 = initial weights, s_1 = φ_0, nothing pending before round 1
               start the reduce of Δ_t
               if the reduce of Δ_{t−1} is pending:
                   wait → Δ̄_{t−1};  φ_{t−1} = OuterOpt(φ_{t−2}, Δ̄_{t−1})
-              delayed:  s_{t+1} = φ_{t−1} − Δ_t     # newest global point plus this replica's unsynced progress
-              eager:    Δ̂_t = a·Δ_t + (1 − a)·Δ̄_{t−1}   (a = 1 / the contributors of round t − 1; Δ̂_1 = Δ_1)
-                        s_{t+1} = OuterOpt'(φ_{t−1}, Δ̂_t)   # a look-ahead outer step: φ and the
-                                                             # optimizer's state are left as they are
-
-The delayed start lags plain DiLoCo's by one outer step, momentum and all (measured: +16.7 points of
-loss); the eager start predicts φ_t from this replica's fresh Δ_t standing in for its share of the
-average not yet arrived, and the average corrects it one round later (Kale, Douillard, Donchev 2025,
-"eager updates"). φ itself is only ever stepped with agreed aggregates, so it stays identical on
-every replica either way.
+              s_{t+1} = φ_{t−1} − Δ_t     # newest global point plus this replica's unsynced progress
 
 The algorithm supplies two callables, so DiLoCo (dense mean, Nesterov) and SparseLoCo (error
 feedback on Δ_t unchanged, then a sparse payload) share this code: ``launch(Δ_t)`` starts the
@@ -31,7 +22,6 @@ from typing import Any
 import torch
 
 Params = Sequence[torch.Tensor]
-OVERLAP_UPDATES = ("eager", "delayed")
 
 
 def progress(start: Params, end: Params) -> list[torch.Tensor]:
@@ -44,14 +34,6 @@ def next_start(phi: Params, own_progress: Params) -> list[torch.Tensor]:
     return [p.detach().float() - d for p, d in zip(phi, own_progress)]
 
 
-def eager_estimate(own: Params, landed: Params | None, share: float) -> list[torch.Tensor]:
-    """Δ̂_t = share·Δ_t + (1 − share)·Δ̄_{t−1}: the fresh own Δ in place of its share of the average
-    still in flight; Δ_t alone while no round has landed (``landed`` None)."""
-    if landed is None:
-        return [d.clone() for d in own]
-    return [torch.lerp(m.float(), d, share) for d, m in zip(own, landed)]
-
-
 class OneStepDelay:
     """Holds the one reduce in flight; `round` runs the recurrence's bookkeeping for round t."""
 
@@ -60,19 +42,17 @@ class OneStepDelay:
 
     def round(self, start: Params, end: Params, phi: Params,
               launch: Callable[[list[torch.Tensor]], Any],
-              finish: Callable[[Any], Params],
-              lookahead: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None) -> list[torch.Tensor]:
+              finish: Callable[[Any], Params]) -> list[torch.Tensor]:
         """Starts the reduce of Δ_t, completes the one of Δ_{t−1} if any, returns s_{t+1}.
 
         ``phi`` is the newest φ this replica has (φ_{t−2}); it stands when nothing is pending.
-        ``lookahead(Δ_t)``: the eager start, called once φ_{t−1} is in place; None: the delayed one.
         """
         delta = progress(start, end)
         handle = launch(delta)
         if self.pending is not None:
             phi = finish(self.pending)
         self.pending = handle
-        return next_start(phi, delta) if lookahead is None else lookahead(delta)
+        return next_start(phi, delta)
 
     def drain(self, phi: Params, finish: Callable[[Any], Params]) -> list[torch.Tensor]:
         """End of training: completes the last reduce and returns the final φ (θ ← φ)."""

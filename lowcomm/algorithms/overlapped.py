@@ -5,8 +5,7 @@ with algorithms.overlap's `OneStepDelay` (the recurrence the golden tests pin):
 
     sync(t):  Δ_t = s_t − θ (θ = e_t, the end of round t's inner steps);  start the reduce of Δ_t
               wait for round t−1's reduce (if any) → the outer step gives φ_{t−1}
-              θ ← s_{t+1}: eager, a look-ahead outer step from φ_{t−1} on a·Δ_t + (1 − a)·Δ̄_{t−1}
-                  (a = 1 / round t−1's contributors); delayed, φ_{t−1} − Δ_t
+              θ ← s_{t+1} = φ_{t−1} − Δ_t
     drain():  wait for the last reduce, θ ← φ (the end of training)
 
 ``sync(t)`` returns round t−1's result (None at the first round), so the caller logs and counts a
@@ -40,7 +39,7 @@ import torch
 
 from lowcomm.algorithms.base import Replica, RoundDropped, RoundFailed
 from lowcomm.algorithms.outer import OuterReplica
-from lowcomm.algorithms.overlap import OneStepDelay, eager_estimate
+from lowcomm.algorithms.overlap import OneStepDelay
 from lowcomm.collectives.base import CollectiveError, NotInRound, RoundResult
 
 POLL_S = 0.1
@@ -59,18 +58,14 @@ class _FetchRound:
 class Overlapped(Replica):
     announces_ahead = True
 
-    def __init__(self, inner: OuterReplica, manifest_of: Callable[[int], object], eager: bool = True):
-        """``manifest_of(round)``: the round's manifest, or None while there is none (the DHT);
-        ``eager``: the eager start (algorithms.overlap), else the delayed one."""
+    def __init__(self, inner: OuterReplica, manifest_of: Callable[[int], object]):
+        """``manifest_of(round)``: the round's manifest, or None while there is none (the DHT)."""
         super().__init__(inner.model, inner.collective, inner.key, inner.tokens_per_step, inner.hooks)
         self.inner = inner
         self.manifest_of = manifest_of
         self.start = self._theta()  # s_1 = φ_0
         self.delay = OneStepDelay()  # the recurrence's bookkeeping: (round, handle) of the reduce in flight
         self._landed_mark: int | None = None  # the meter when a round last landed
-        self.eager = eager
-        self._landed_mean: list[torch.Tensor] | None = None  # Δ̄ of the newest round landed, per parameter
-        self._share = 1.0  # a: this replica's share of that round (1 / its contributors)
 
     @property
     def phi(self):
@@ -144,7 +139,7 @@ class Overlapped(Replica):
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """φ (and the outer state) from a download; θ ← φ; nothing pending until ``enter``."""
         self.inner.load_state_tensors(tensors)
-        self.start, self.pending, self._landed_mean = self._theta(), None, None
+        self.start, self.pending = self._theta(), None
 
     def enter(self, round_: int, wait_s: float = 0.0) -> bool:
         """After a download labelled ``round_``: round_ − 1's aggregate is still to be applied.
@@ -175,13 +170,9 @@ class Overlapped(Replica):
             launched.append((round_, self.inner.start_sync_delta(round_, delta, weight)))
             return launched[0]
 
-        def lookahead(delta: list[torch.Tensor]) -> list[torch.Tensor]:
-            return self.inner.lookahead(eager_estimate(delta, self._landed_mean, self._share))
-
         try:
             self.start = self.delay.round(self.start, self._theta(), self.inner.phi, launch,
-                                          lambda pending: self._land_pending(pending, timeout, finished),
-                                          lookahead if self.eager else None)
+                                          lambda pending: self._land_pending(pending, timeout, finished))
         except BaseException:
             self.pending = launched[0] if launched else None  # the round begun is the one in flight
             raise
@@ -221,11 +212,6 @@ class Overlapped(Replica):
             result = self.inner.fetch_round(round_, late.manifest)
             result.info["caught_up"] = True
         self.inner.step_outer(result)
-        flat, offset, self._landed_mean = result.aggregate.reshape(-1), 0, []
-        for p in self.inner.phi:  # views of the aggregate, per parameter: no copy
-            self._landed_mean.append(flat[offset:offset + p.numel()].view(p.shape))
-            offset += p.numel()
-        self._share = 1.0 / max(len(result.contributors), 1)
         result.info["round"] = round_
         finished.append(result)
         return self.inner.phi

@@ -56,11 +56,6 @@ class SparseLoCo(OuterReplica):
             sparseloco.outer_step(p, result.aggregate[offset:offset + p.numel()].reshape(p.shape), self.config.outer_lr)
             offset += p.numel()
 
-    @torch.no_grad()
-    def lookahead(self, delta: list[torch.Tensor]) -> list[torch.Tensor]:
-        """φ after an outer step on ``delta`` (φ − η_out · delta), φ left as it is."""
-        return [p.detach() - d * self.config.outer_lr for p, d in zip(self.phi, delta)]
-
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {f"phi.{name}": p for name, p in zip(self.names, self.phi)}
 

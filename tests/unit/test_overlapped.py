@@ -1,17 +1,13 @@
 """The one-step-delay overlap on the replica the peer runs (algorithms.overlapped.Overlapped).
 
 With a fixed gradient sequence (inner steps that ignore θ), ALGORITHMS.md §1 says the overlapped
-φ sequence is plain DiLoCo's, one round late, whichever start (eager or delayed): after sync(t) an
-overlapped replica holds φ_{t−1}, and after drain() the final φ. The two starts are pinned apart:
-eager, a look-ahead Nesterov step from φ_{t−1} on a·Δ_t + (1 − a)·Δ̄_{t−1}; delayed, φ_{t−1} − Δ_t.
-A replica that enters from a download catches the round in flight up from its manifest.
+φ sequence is plain DiLoCo's, one round late: after sync(t) an overlapped replica holds φ_{t−1},
+and after drain() the final φ. A replica that enters from a download catches the round in flight
+up from its manifest.
 """
 
 from __future__ import annotations
 
-import copy
-
-import pytest
 import torch
 from torch import nn
 
@@ -43,13 +39,13 @@ def inner_steps(model: nn.Module, grads) -> None:
             p.sub_(LR * g)
 
 
-def replicas(overlap: bool, eager: bool = True):
+def replicas(overlap: bool):
     group = InProcessGroup(REPLICAS)
     out = []
     for r in range(REPLICAS):
         model = make_model()
         replica = DiLoCo(model, DilocoConfig(outer_lr=0.7, outer_momentum=0.9), group.replica(r), KEY)
-        out.append(Overlapped(replica, manifest_of=lambda round_: None, eager=eager) if overlap else replica)
+        out.append(Overlapped(replica, manifest_of=lambda round_: None) if overlap else replica)
     return out
 
 
@@ -57,9 +53,9 @@ def phis(replica) -> list[torch.Tensor]:
     return [p.detach().clone() for p in replica.phi]
 
 
-def run(overlap: bool, grads, eager: bool = True) -> tuple[list, list]:
+def run(overlap: bool, grads) -> tuple[list, list]:
     """φ after every round's sync on replica 0 (and every replica's final φ)."""
-    reps, history = replicas(overlap, eager), []
+    reps, history = replicas(overlap), []
     for t in range(ROUNDS):
         for r, rep in enumerate(reps):
             inner_steps(rep.model, grads[r][t])
@@ -84,11 +80,10 @@ def close(a, b) -> bool:
     return all(torch.allclose(x, y, atol=1e-6, rtol=0) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("eager", [True, False], ids=["eager", "delayed"])
-def test_overlap_reproduces_plain_diloco_phi_one_round_late(eager):
+def test_overlap_reproduces_plain_diloco_phi_one_round_late():
     grads = fixed_grads()
     plain, plain_models = run(False, grads)
-    lagged, lagged_models = run(True, grads, eager)
+    lagged, lagged_models = run(True, grads)
     assert close(lagged[0], phis(replicas(False)[0]))  # nothing applied after the first round: φ_0
     for t in range(ROUNDS):
         assert close(lagged[t + 1], plain[t]), f"φ after round {t} differs"
@@ -96,10 +91,10 @@ def test_overlap_reproduces_plain_diloco_phi_one_round_late(eager):
         assert close(a, b)
 
 
-def test_the_delayed_start_keeps_own_progress_on_top_of_phi():
+def test_overlap_keeps_own_progress_on_top_of_phi():
     """s_{t+1} = φ_{t−1} − Δ_t: after sync(t) θ is φ plus exactly this replica's round-t progress."""
     grads = fixed_grads(1)
-    reps = replicas(True, eager=False)
+    reps = replicas(True)
     for r, rep in enumerate(reps):
         inner_steps(rep.model, grads[r][0])
     before = [[p.detach().clone() for p in rep.model.parameters()] for rep in reps]
@@ -111,57 +106,6 @@ def test_the_delayed_start_keeps_own_progress_on_top_of_phi():
     with reps[0].global_model():
         assert close([p.detach() for p in reps[0].model.parameters()], reps[0].phi)
     assert close([p.detach() for p in reps[0].model.parameters()], before[0])  # put back
-
-
-def test_the_eager_start_is_a_look_ahead_nesterov_step():
-    """Round 0: s_1 = φ_0 − η(Δ_0 + μΔ_0) (the first Nesterov step, its buffer the gradient itself).
-    Round 1: Δ̂ = Δ_1 / R + (1 − 1/R)·Δ̄_0, b = μΔ̄_0 + Δ̂, s_2 = φ_1 − η(Δ̂ + μb); φ itself moved on
-    Δ̄_0 alone."""
-    lr, mu = 0.7, 0.9
-    grads = fixed_grads(2)
-    reps = replicas(True, eager=True)
-    phi0 = phis(reps[0])
-    deltas = []
-    for r, rep in enumerate(reps):
-        inner_steps(rep.model, grads[r][0])
-        deltas.append([p0 - p.detach() for p0, p in zip(phi0, rep.model.parameters())])
-    for rep in reps:
-        rep.sync(0, 1.0, timeout=10)
-    for r, rep in enumerate(reps):
-        expected = [p0 - lr * (d + mu * d) for p0, d in zip(phi0, deltas[r])]
-        assert close([p.detach() for p in rep.model.parameters()], expected)
-        assert close(rep.phi, phi0)  # nothing landed: φ_0 stands
-    starts = [[p.detach().clone() for p in rep.model.parameters()] for rep in reps]
-    fresh = []
-    for r, rep in enumerate(reps):
-        inner_steps(rep.model, grads[r][1])
-        fresh.append([s - p.detach() for s, p in zip(starts[r], rep.model.parameters())])
-    for rep in reps:
-        rep.sync(1, 1.0, timeout=10)
-    mean0 = [sum(d[i] for d in deltas) / REPLICAS for i in range(len(phi0))]
-    phi1 = [p0 - lr * (m + mu * m) for p0, m in zip(phi0, mean0)]  # plain DiLoCo's first outer step
-    for r, rep in enumerate(reps):
-        assert close(rep.phi, phi1)
-        guess = [d / REPLICAS + (1 - 1 / REPLICAS) * m for d, m in zip(fresh[r], mean0)]
-        buf = [mu * m + g for m, g in zip(mean0, guess)]
-        expected = [p1 - lr * (g + mu * b) for p1, g, b in zip(phi1, guess, buf)]
-        assert close([p.detach() for p in rep.model.parameters()], expected)
-
-
-def test_lookahead_is_the_outer_step_it_does_not_take():
-    """DiLoCo.lookahead(Δ) equals φ after a real outer step on Δ, and leaves φ and the momentum alone."""
-    rep = replicas(False)[0]
-    g = torch.Generator().manual_seed(3)
-    for _ in range(2):  # a momentum buffer to look ahead from
-        delta = [torch.randn(p.shape, generator=g) for p in rep.phi]
-        before, buffers = phis(rep), copy.deepcopy([rep.outer.state.get(p, {}).get("momentum_buffer") for p in rep.phi])
-        ahead = rep.lookahead(delta)
-        assert close(rep.phi, before)
-        for p, buf in zip(rep.phi, buffers):
-            now = rep.outer.state.get(p, {}).get("momentum_buffer")
-            assert (now is None and buf is None) or torch.equal(now, buf)
-        rep.step_outer(RoundResult(torch.cat([d.reshape(-1) for d in delta]), ["a"]))
-        assert close(ahead, rep.phi)
 
 
 class _Late:
