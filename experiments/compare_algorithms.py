@@ -14,8 +14,7 @@ whatever subset this run was given, with the grid's cells still missing listed.
 
 Every cell averages the DiLoCo family's pseudo-gradients with the plain mean (BASE:
 `diloco.aggregate = "mean"`), as the reference algorithms do; the robust default is measured by
-experiments/byzantine.py. The overlap variants name their start: `-overlap` the delayed one of
-ALGORITHMS.md §1, `-overlap-eager` the eager one (`overlap_update`).
+experiments/byzantine.py.
 
 Columns: final held-out loss (mean ± std over the seeds done), its gap to ddp's at the same peers
 and seeds, bytes per token (everything the peers' gRPC sent, checkpoints apart), compression vs ddp,
@@ -54,13 +53,11 @@ from lowcomm.runtime.plots import compare_reports  # noqa: E402
 VARIANTS = {  # name: (run.algo, extra `simulate` flags[, run-config overrides])
     "ddp": ("ddp", []),
     "diloco": ("diloco", []),
-    "diloco-overlap": ("diloco", ["--overlap"], {"diloco.overlap_update": "delayed"}),
-    "diloco-overlap-eager": ("diloco", ["--overlap"], {"diloco.overlap_update": "eager"}),
+    "diloco-overlap": ("diloco", ["--overlap"]),
     "streaming-diloco": ("streaming-diloco", []),
     "demo": ("demo", []),
     "sparseloco": ("sparseloco", []),
-    "sparseloco-overlap": ("sparseloco", ["--overlap"], {"sparseloco.overlap_update": "delayed"}),
-    "sparseloco-overlap-eager": ("sparseloco", ["--overlap"], {"sparseloco.overlap_update": "eager"}),
+    "sparseloco-overlap": ("sparseloco", ["--overlap"]),
     "noloco": ("noloco", []),
 }
 
