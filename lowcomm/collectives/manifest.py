@@ -103,6 +103,7 @@ class ManifestAgreement:
         self.me = control.identity.peer_id
         self._known: dict[str, list[tuple[int, frozenset[str]]]] = {}  # group -> (first round, members), by round
         self._refused: set[tuple[str, int, str, str]] = set()  # (group, round, peer, reason) already counted
+        self._no_shows: dict[str, frozenset[str]] = {}  # group -> live records that were due and never announced
         self.refused_writers = 0
 
     # ---- which writers count --------------------------------------------------------------------
@@ -267,15 +268,20 @@ class ManifestAgreement:
 
         A peer that only announced ahead (still training towards the round) is waited for up to
         `announce_s` like one that has not announced, but then stays a member, without a shard.
-        A manifest already written ends the wait: the round's membership is settled.
+        A manifest already written ends the wait: the round's membership is settled. A live record
+        that was due and never announced (a dead peer's record not yet expired, a stale or forged
+        one) is waited for once: it is not due again until it announces a round or its record is
+        gone, so it costs one `announce_s`, not one per round.
         """
         deadline = time.monotonic() + self.sync.announce_s
+        no_shows = self._no_shows.get(group, frozenset())
         while True:
             announcers = {p: info for p, info in self.control.announcers(group, round_).items()
                           if isinstance(info.get("endpoint"), str)}  # well-formed (withdrawals are dropped)
-            due = {p for p, rec in self.control.live_peers().items()
+            live = self.control.live_peers()
+            due = {p for p, rec in live.items()
                    if rec.state in ("training", "joining") and rec.round <= round_ and p not in suspects
-                   and self.due_in_group(group, rec) and self.admits(p)}
+                   and p not in no_shows and self.due_in_group(group, rec) and self.admits(p)}
             present = {p for p, info in announcers.items() if not info.get("ahead")} | {self.me}
             announced = due <= set(announcers) | {self.me}
             if (due <= present or time.monotonic() >= deadline
@@ -283,6 +289,7 @@ class ManifestAgreement:
                 missing = due - set(announcers) - {self.me}
                 if missing:  # a live record that never announced (dead, or late): the round goes on without it
                     self.on_event("timeout", round=round_, stage="announce", missing=sorted(missing))
+                self._no_shows[group] = frozenset(((no_shows | missing) - set(announcers)) & set(live))
                 announcers[self.me] = self._presence
                 return announcers
             time.sleep(POLL_S)
