@@ -18,7 +18,11 @@ the rounds in which some member was left out (a `timeout` event: its part was re
 longest round's sync time against the reduce deadline (a round past it is a stall; "did not
 finish": a non-zero exit, a missing report, or fewer rounds than planned), the Byzantine members'
 `byzantine` events, and the row's wall time (start-up included). `--noise-seeds` adds honest rows
-at other seeds under the default aggregate: their spread is the seed noise a gap is read against. A row whose JSON exists under --out is skipped (resumable per row);
+at other seeds under the default aggregate: their spread is the seed noise a gap is read against.
+The ``outsider`` row (every peer honest, under the default aggregate) runs tests/outsider.py beside
+the swarm for the whole run: fresh keys that forge parts under members' ids, send parts as
+non-members, a decompression bomb, a stream flood, manifests of the coming rounds and sybil φ votes
+with a poisoned state (tests/integration/test_outsider_e2e.py); its rejects are the peers' refusals. A row whose JSON exists under --out is skipped (resumable per row);
 OUT/table.md is rewritten after every row, listing the rows still missing; the runs' records go to
 OUT/runs/ (not in git).
 """
@@ -28,7 +32,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import signal
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -59,12 +66,13 @@ def aggregate_key() -> str | None:
 
 
 def rows(kinds: list[str], fs: list[int], aggregates: list[str]) -> list[tuple[str, int, str]]:
-    """(kind, f, aggregate) of every row, the honest ones (kind "honest", f = 0) first."""
-    return [("honest", 0, a) for a in aggregates] + [(k, f, a) for k in kinds for f in fs for a in aggregates]
+    """(kind, f, aggregate) of every row, the honest ones (kind "honest", f = 0) first, the outsider last."""
+    return ([("honest", 0, a) for a in aggregates] + [(k, f, a) for k in kinds for f in fs for a in aggregates]
+            + [("outsider", 0, "default")])
 
 
 def row_name(kind: str, f: int, aggregate: str, args, seed: int | None = None) -> str:
-    who = "honest" if kind == "honest" else f"{kind}-f{f}"
+    who = kind if kind in ("honest", "outsider") else f"{kind}-f{f}"
     return f"{who}-{aggregate}-p{args.peers}-r{args.rounds}-h{args.inner_steps}-s{args.seed if seed is None else seed}"
 
 
@@ -89,10 +97,15 @@ def run_row(kind: str, f: int, aggregate: str, args, seed: int | None = None) ->
     report_path.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "lowcomm.cli", "simulate", "--config", str(config_path), "--peers", str(args.peers),
            "--report", str(report_path), "--run-dir", str(run_dir / "run")]
-    if kind != "honest":
+    if kind not in ("honest", "outsider"):
         cmd += ["--byzantine", f"{kind}:{f}"]
     t0 = time.time()
-    rc = run_simulate(cmd, REPO, run_dir / "simulate.log", args.timeout_s)
+    outsider = start_outsider(run_dir / "run", args.timeout_s) if kind == "outsider" else None
+    try:
+        rc = run_simulate(cmd, REPO, run_dir / "simulate.log", args.timeout_s)
+    finally:
+        if outsider is not None:
+            stop_outsider(outsider, run_dir / "run")
     out = {"row": name, "kind": kind, "f": f, "aggregate": aggregate, "peers": args.peers, "rounds_planned": args.rounds,
            "inner_steps": args.inner_steps, "seed": seed, "rc": rc, "deadline_s": config.sync.reduce_timeout_s, "row_wall_s": time.time() - t0,
            "report": str(report_path), "command": " ".join(cmd[1:])}
@@ -100,6 +113,32 @@ def run_row(kind: str, f: int, aggregate: str, args, seed: int | None = None) ->
         out.update(figures(json.loads(report_path.read_text())))
     out["finished"] = rc == 0 and out.get("rounds") == args.rounds
     return out
+
+
+def start_outsider(run_dir: Path, deadline_s: float) -> subprocess.Popen:
+    """tests/outsider.py against the swarm that will run in ``run_dir``, in its own process group."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("outsider.stop", "outsider.jsonl", "coordinator.json"):
+        (run_dir / stale).unlink(missing_ok=True)
+    log = open(run_dir / "outsider.log", "w")
+    return subprocess.Popen([sys.executable, str(REPO / "tests" / "outsider.py"), str(run_dir), "--deadline-s",
+                             str(deadline_s)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+
+
+def stop_outsider(outsider: subprocess.Popen, run_dir: Path) -> None:
+    """The stop file, then SIGTERM and SIGKILL to its group (its DHT daemons included) whatever it did."""
+    (run_dir / "outsider.stop").touch()
+    try:
+        outsider.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pass
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(outsider.pid, sig)
+        except ProcessLookupError:
+            break
+    outsider.wait(timeout=30)
 
 
 def figures(report: dict) -> dict:
