@@ -103,7 +103,6 @@ class ManifestAgreement:
         self.me = control.identity.peer_id
         self._known: dict[str, list[tuple[int, frozenset[str]]]] = {}  # group -> (first round, members), by round
         self._refused: set[tuple[str, int, str, str]] = set()  # (group, round, peer, reason) already counted
-        self._no_shows: dict[str, frozenset[str]] = {}  # group -> live records that were due and never announced
         self.refused_writers = 0
 
     # ---- which writers count --------------------------------------------------------------------
@@ -243,16 +242,20 @@ class ManifestAgreement:
         """Why this peer must not write a manifest of ``round_`` whose ``members`` reached it; None if it may.
         A member known only from its announcement ahead does not count: it may be far behind, or gone.
 
-        The previous manifest's members still live in the DHT (this peer counts as live) must be a
-        majority among ``members``, and a peer that was a member of a previous manifest with others
-        never takes a round alone. Without ``quorum``, or without a previous manifest, anything goes;
-        when none of the previous members is live any more (they all left), the run goes on."""
+        The previous manifest's members still training in the DHT (this peer counts) must be a
+        majority among ``members``: a member that left, or that is resyncing (its record `joining`:
+        it comes back through a state download from the others), does not count. A peer that was a
+        member of a previous manifest with others never takes a round alone, unless every other one
+        of them is visibly resyncing (a cut-off peer never sees that: it sees their records as they
+        were, then none). Without ``quorum``, or without a previous manifest, anything goes; when
+        none of the previous members is training any more, the run goes on."""
         previous = self.trusted(group, round_)
         if not self.quorum or previous is None:
             return None
-        if self._solo_after_others(previous, members):
+        records = self.control.live_peers()
+        if self._solo_after_others(previous, members, records):
             return "this peer alone reached the round, and the previous round had other members"
-        live = {p for p, rec in self.control.live_peers().items() if rec.state != "leaving"} | {self.me}
+        live = {p for p, rec in records.items() if rec.state == "training"} | {self.me}
         standing = previous & live
         present = standing & set(members)
         if standing and 2 * len(present) <= len(standing):
@@ -260,28 +263,26 @@ class ManifestAgreement:
                     "not a majority")
         return None
 
-    def _solo_after_others(self, previous: frozenset[str], members) -> bool:
-        return self.me in previous and bool(previous - {self.me}) and set(members) <= {self.me}
+    def _solo_after_others(self, previous: frozenset[str], members, records: dict) -> bool:
+        """Whether ``members`` is this peer alone after a round with others that are not all resyncing."""
+        others = previous - {self.me}
+        resyncing = {p for p, rec in records.items() if rec.state == "joining"}
+        return self.me in previous and bool(others - resyncing) and set(members) <= {self.me}
 
     def _gather(self, group: str, round_: int, suspects: frozenset[str]) -> dict[str, dict]:
         """Announcers, once every live peer due in this round has reached it or `announce_s` passed.
 
         A peer that only announced ahead (still training towards the round) is waited for up to
         `announce_s` like one that has not announced, but then stays a member, without a shard.
-        A manifest already written ends the wait: the round's membership is settled. A live record
-        that was due and never announced (a dead peer's record not yet expired, a stale or forged
-        one) is waited for once: it is not due again until it announces a round or its record is
-        gone, so it costs one `announce_s`, not one per round.
+        A manifest already written ends the wait: the round's membership is settled.
         """
         deadline = time.monotonic() + self.sync.announce_s
-        no_shows = self._no_shows.get(group, frozenset())
         while True:
             announcers = {p: info for p, info in self.control.announcers(group, round_).items()
                           if isinstance(info.get("endpoint"), str)}  # well-formed (withdrawals are dropped)
-            live = self.control.live_peers()
-            due = {p for p, rec in live.items()
+            due = {p for p, rec in self.control.live_peers().items()
                    if rec.state in ("training", "joining") and rec.round <= round_ and p not in suspects
-                   and p not in no_shows and self.due_in_group(group, rec) and self.admits(p)}
+                   and self.due_in_group(group, rec) and self.admits(p)}
             present = {p for p, info in announcers.items() if not info.get("ahead")} | {self.me}
             announced = due <= set(announcers) | {self.me}
             if (due <= present or time.monotonic() >= deadline
@@ -289,7 +290,6 @@ class ManifestAgreement:
                 missing = due - set(announcers) - {self.me}
                 if missing:  # a live record that never announced (dead, or late): the round goes on without it
                     self.on_event("timeout", round=round_, stage="announce", missing=sorted(missing))
-                self._no_shows[group] = frozenset(((no_shows | missing) - set(announcers)) & set(live))
                 announcers[self.me] = self._presence
                 return announcers
             time.sleep(POLL_S)
@@ -341,7 +341,8 @@ class ManifestAgreement:
         if manifest is None:
             raise CollectiveError(f"round {round_}: every manifest that counts was malformed")
         previous = self.trusted(group, round_)
-        if self.quorum and previous is not None and self._solo_after_others(previous, manifest.members):
+        if (self.quorum and previous is not None
+                and self._solo_after_others(previous, manifest.members, self.control.live_peers())):
             raise CollectiveError(f"round {round_}: a manifest naming only this peer after a round with others")
         self._remember(manifest)
         if self.me not in manifest.members:

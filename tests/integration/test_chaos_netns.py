@@ -60,9 +60,11 @@ def test_a_link_down_and_a_slow_peer_in_namespaces(tmp_path):
     without = [n for n, rs in others.items() if n >= down["round"] and down["peer"] not in rs[0]["contributors"]]
     assert without and all(len(others[n][0]["contributors"]) == 2 for n in without)
     # the cut-off peer came back once its link was up: it caught up the rounds it missed from their members
-    # (Decision 8) or resynced from the swarm, and finished the run
+    # (Decision 8), resynced from the swarm, or its link was back within its quorum wait (Decision 27),
+    # and finished the run
     victim = [r for r in sim.records() if r["peer"] == down["peer"] and r["type"] == "event"]
-    assert any(r["kind"] in ("caught_up", "resync", "state_received") for r in victim)
+    assert any(r["kind"] in ("caught_up", "resync", "state_received")
+               or (r["kind"] == "timeout" and r.get("stage") == "quorum") for r in victim)
     assert any(r["kind"] == "done" for r in victim)
     # it never applied a round alone (Decision 27): none naming only itself, none in which only its own part counted
     alone = [r["round"] for r in sim.records() if r["peer"] == down["peer"] and r["type"] == "round"

@@ -94,29 +94,3 @@ def test_a_withdrawn_announcement_is_not_a_member():
     agreement("c", store, live)[0].announce(GROUP, ROUND)
     manifest = agreement("b", store, live)[0].agree(GROUP, ROUND, 1, "uint8")
     assert manifest.members == manifest.owners == ["b", "c"]
-
-
-def test_a_record_that_never_announces_is_waited_for_once_until_it_announces():
-    """A live record due in the round that never announces (a dead peer's, or a forged one) costs one
-    announce wait: the next rounds do not wait for it, and once it announces it is due again."""
-    store, live = {}, {"a": "training", "b": "training", "d": "training"}
-    b, control = agreement("b", store, live, announce_s=2.0)  # a wait of many polls
-    timeouts = []
-    b.on_event = lambda kind, **fields: timeouts.append(fields) if kind == "timeout" else None
-    a, _ = agreement("a", store, live)
-    polls = []
-    for round_ in (ROUND, ROUND + 1):  # d never announces
-        a.announce(GROUP, round_)
-        control.polls = 0
-        assert b.agree(GROUP, round_, 1, "uint8").members == ["a", "b"]
-        polls.append(control.polls)
-    assert timeouts == [{"round": ROUND, "stage": "announce", "missing": ["d"]}]  # once, not in ROUND + 1
-    assert polls[1] <= 2 < polls[0]  # ROUND + 1 did not wait out announce_s for d
-    d, _ = agreement("d", store, live)
-    for peer in (a, d):
-        peer.announce(GROUP, ROUND + 2)
-    assert b.agree(GROUP, ROUND + 2, 1, "uint8").members == ["a", "b", "d"]
-    a.announce(GROUP, ROUND + 3)  # d, back among the announcers, is due again and waited for
-    control.polls = 0
-    assert b.agree(GROUP, ROUND + 3, 1, "uint8").members == ["a", "b"]
-    assert control.polls > 2 and timeouts[-1] == {"round": ROUND + 3, "stage": "announce", "missing": ["d"]}

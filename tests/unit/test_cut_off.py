@@ -105,6 +105,19 @@ def test_the_majority_goes_on_without_the_cut_off_peer():
     assert all(isinstance(m, Manifest) and m.members == ["a", "b"] and m.leader == "a" for m in results)
 
 
+def test_the_side_that_wins_a_tied_phi_vote_goes_on_while_the_other_resyncs():
+    """A 2-2 tie of the φ vote: the losing side resyncs (its records `joining`); the winners are the
+    whole of the previous round's members still training, so they write the round the losers then
+    download. A pair's winner goes on alone while its only other member resyncs."""
+    store, previous = {}, ["a", "b", "c", "d"]
+    live = training("a", "b") | {p: PeerRecord(p, f"{p}:1", state="joining", round=ROUND + 1) for p in ("c", "d")}
+    results = agree_all([agreement(p, store, live, previous) for p in ("a", "b")])
+    assert all(isinstance(m, Manifest) and m.members == ["a", "b"] for m in results), results
+    store = {}
+    live = training("a") | {"b": PeerRecord("b", "b:1", state="joining", round=ROUND + 1)}
+    assert agreement("a", store, live, ["a", "b"]).agree(GROUP, ROUND, 1, "fp32").members == ["a"]
+
+
 def test_a_minority_writes_no_manifest_while_the_majority_is_live():
     store, previous = {}, ["a", "b", "c", "d", "e"]
     live = training(*previous)
