@@ -50,15 +50,17 @@ def test_a_link_down_and_a_slow_peer_in_namespaces(tmp_path):
     told = [e for e in report["events"] if e["kind"] == "slowdown"]
     assert [(e["peer"], e["factor"]) for e in told] == [(slow["peer"], 2.0)]
 
-    # the others kept finishing every round, agreeing on φ, and some round from then on went on without it
+    # the others kept finishing every round and agreeing on φ
     others = {}
     for r in sim.records():
         if r["type"] == "round" and r["peer"] != down["peer"]:
             others.setdefault(r["round"], []).append(r)
     assert sorted(others) == list(range(ROUNDS)) and all(len(rs) == 2 for rs in others.values())
     assert all(len({r["phi_hash"] for r in rs}) == 1 for rs in others.values())
+    # (a round that went on without the cut-off peer had the two others as contributors; whether one did
+    # depends on whether the cut outlasted the round's waits for its part)
     without = [n for n, rs in others.items() if n >= down["round"] and down["peer"] not in rs[0]["contributors"]]
-    assert without and all(len(others[n][0]["contributors"]) == 2 for n in without)
+    assert all(len(others[n][0]["contributors"]) == 2 for n in without)
     # the cut-off peer came back once its link was up: it caught up the rounds it missed from their members
     # (Decision 8), resynced from the swarm, or its link was back within its quorum wait (Decision 27),
     # and finished the run
