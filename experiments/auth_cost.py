@@ -44,7 +44,7 @@ import sys
 import time
 from pathlib import Path
 
-from simulate_launch import run_simulate  # beside this script (its folder is on sys.path)
+from simulate_launch import run_simulate, save_table  # beside this script (its folder is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]  # not put on sys.path: each revision's lowcomm is imported from its worktree
 
@@ -278,11 +278,7 @@ def write_table(out: Path, planned: list[tuple[str, str, int]], args) -> str:
     unfinished = [r["row"] for r in done.values() if not r.get("finished")]
     if unfinished:
         lines += ["", f"Rows that did not finish (left out of the means): {', '.join(sorted(unfinished))}."]
-    if missing:
-        lines += ["", f"Rows still missing: {', '.join(missing)}."]
-    table = "\n".join(lines) + "\n"
-    (out / "table.md").write_text(table)
-    return table
+    return save_table(out, lines, missing)
 
 
 def main() -> int:

@@ -32,10 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,7 +42,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from lowcomm.runtime.byzantine import Kind  # noqa: E402
-from simulate_launch import run_simulate  # noqa: E402
+from simulate_launch import run_simulate, save_table  # noqa: E402
 
 KINDS = [k.value for k in Kind]
 SMALL = {  # a run of ROUNDS rounds of H steps on a small GPT; only the final evaluation
@@ -100,7 +97,12 @@ def run_row(kind: str, f: int, aggregate: str, args, seed: int | None = None) ->
     if kind not in ("honest", "outsider"):
         cmd += ["--byzantine", f"{kind}:{f}"]
     t0 = time.time()
-    outsider = start_outsider(run_dir / "run", args.timeout_s) if kind == "outsider" else None
+    outsider = None
+    if kind == "outsider":
+        sys.path.insert(0, str(REPO / "tests"))
+        from outsider_process import start_outsider, stop_outsider
+
+        outsider = start_outsider(run_dir / "run", args.timeout_s)
     try:
         rc = run_simulate(cmd, REPO, run_dir / "simulate.log", args.timeout_s)
     finally:
@@ -113,32 +115,6 @@ def run_row(kind: str, f: int, aggregate: str, args, seed: int | None = None) ->
         out.update(figures(json.loads(report_path.read_text())))
     out["finished"] = rc == 0 and out.get("rounds") == args.rounds
     return out
-
-
-def start_outsider(run_dir: Path, deadline_s: float) -> subprocess.Popen:
-    """tests/outsider.py against the swarm that will run in ``run_dir``, in its own process group."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("outsider.stop", "outsider.jsonl", "coordinator.json"):
-        (run_dir / stale).unlink(missing_ok=True)
-    log = open(run_dir / "outsider.log", "w")
-    return subprocess.Popen([sys.executable, str(REPO / "tests" / "outsider.py"), str(run_dir), "--deadline-s",
-                             str(deadline_s)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env=os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-
-
-def stop_outsider(outsider: subprocess.Popen, run_dir: Path) -> None:
-    """The stop file, then SIGTERM and SIGKILL to its group (its DHT daemons included) whatever it did."""
-    (run_dir / "outsider.stop").touch()
-    try:
-        outsider.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        pass
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(outsider.pid, sig)
-        except ProcessLookupError:
-            break
-    outsider.wait(timeout=30)
 
 
 def figures(report: dict) -> dict:
@@ -206,11 +182,7 @@ def write_table(out: Path, planned: list[tuple[str, int, str]], args) -> str:
             sync += f"; did not finish (rc {row['rc']}, {row.get('rounds', 0)}/{row['rounds_planned']} rounds)"
         lines.append(f"| {kind} | {f} | {aggregate} | {_loss(loss)} | {_gap(loss, base)} | {row.get('rejects', 'n/a')} | "
                      f"{left_out} | {sync} | {row.get('byzantine_events', 'n/a')} | {row['row_wall_s']:.0f} |")
-    if missing:
-        lines += ["", f"Rows still missing: {', '.join(missing)}."]
-    table = "\n".join(lines) + "\n"
-    (out / "table.md").write_text(table)
-    return table
+    return save_table(out, lines, missing)
 
 
 def main() -> int:

@@ -43,7 +43,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from byzantine import SMALL, _gap, _loss  # noqa: E402
-from simulate_launch import run_simulate  # noqa: E402
+from simulate_launch import run_simulate, save_table  # noqa: E402
 
 ROWS = ["none", "chaos", "resume"]
 CHAOS = ("kill:1@r6,slow:1:3x@r10,linkdown:1:20s@r14,leave:1@r18,join:2@r22,kill:1@r28,linkdown:1:20s@r33,"
@@ -274,11 +274,7 @@ def write_table(out: Path, args) -> str:
                       f"their own (until killed, or to the end, when their final evaluation is in the mean); the "
                       f"other peers' final loss "
                       f"is {_loss(rest)} ({_gap(rest, base)} vs none)."]
-    if missing:
-        lines += ["", f"Rows still missing: {', '.join(missing)}."]
-    table = "\n".join(lines) + "\n"
-    (out / "table.md").write_text(table)
-    return table
+    return save_table(out, lines, missing)
 
 
 def main() -> int:

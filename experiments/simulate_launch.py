@@ -27,3 +27,12 @@ def run_simulate(cmd: list[str], cwd: Path, log_path: Path, timeout_s: float, en
                 os.killpg(launcher.pid, signal.SIGKILL)
                 launcher.wait()
             return "timeout"
+
+
+def save_table(out: Path, lines: list[str], missing: list[str]) -> str:
+    """Writes OUT/table.md: ``lines``, then the rows still missing (a resumable script's partial table)."""
+    if missing:
+        lines = lines + ["", f"Rows still missing: {', '.join(missing)}."]
+    table = "\n".join(lines) + "\n"
+    (out / "table.md").write_text(table)
+    return table

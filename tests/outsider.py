@@ -49,6 +49,7 @@ from lowcomm.transport.signing import Signer, digest
 from lowcomm.transport.wire import Channels, Traffic, start_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from children import wait_until  # noqa: E402
 from unit.test_hostile_parts import bomb  # noqa: E402 (tests/ on the path first, as pytest puts it)
 
 GROUP = "0-0"  # the group of a DiLoCo run without stages or fragments
@@ -332,7 +333,7 @@ def attack_rounds(outsider: Outsider, flood_keys: list[Signer], run_dir: Path, u
         while not stop_file.exists() and time.monotonic() < until:
             manifest = outsider.newest_manifest()
             if manifest is None or manifest["round"] in attacked:
-                time.sleep(0.2)
+                stop.wait(0.2)  # the next round's manifest is not written yet
                 continue
             attacked.add(manifest["round"])
             if numel is None:
@@ -365,10 +366,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     until = time.monotonic() + args.deadline_s
     ready = args.run_dir / "coordinator.json"
-    while not ready.exists():
-        if time.monotonic() > until:
-            return 2
-        time.sleep(0.2)
+    try:
+        wait_until(ready.exists, args.deadline_s, "the swarm's coordinator.json")
+    except AssertionError:
+        return 2
     outsider = Outsider(json.loads(ready.read_text()))
     flood_keys = [Signer.generate() for _ in range(FLOOD_KEYS)]
     (args.run_dir / "outsider-ids.json").write_text(json.dumps({

@@ -99,3 +99,15 @@ def served(service: PeerService, max_workers: int = 16):
         channel.close()
         server.stop(0)
         service.channels.close()
+
+
+def recorded(owner, name: str) -> list:
+    """Wraps ``owner.name`` so that every argument it is called with is appended to the returned list."""
+    calls, original = [], getattr(owner, name)
+
+    def wrapper(arg):
+        calls.append(arg)
+        return original(arg)
+
+    setattr(owner, name, wrapper)
+    return calls

@@ -14,47 +14,20 @@ wait has a deadline.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from lowcomm.config import default_config
-from lowcomm.runtime.processes import child_env
 from lowcomm.runtime.sim import Simulation
 
 from children import events, wait_until
+from outsider_process import start_outsider, stop_outsider
 
-TESTS = Path(__file__).resolve().parents[1]
 H, ROUNDS, PEERS = 3, 6, 3
 PARTS = ("forged", "nonmember", "bomb", "flood")
 # how a stream still open when the run ended, or one beyond a cap, is answered
 BUSY = {"RESOURCE_EXHAUSTED", "UNAVAILABLE", "CANCELLED", "DEADLINE_EXCEEDED"}
-
-
-def start_outsider(run_dir: Path) -> subprocess.Popen:
-    run_dir.mkdir(parents=True)
-    log = open(run_dir / "outsider.log", "w")
-    return subprocess.Popen([sys.executable, str(TESTS / "outsider.py"), str(run_dir), "--deadline-s", "400"],
-                            stdout=log, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True)
-
-
-def stop_outsider(outsider: subprocess.Popen, run_dir: Path) -> None:
-    """Asks the outsider to stop, then kills its group whatever it did (its DHT daemons included)."""
-    (run_dir / "outsider.stop").touch()
-    try:
-        outsider.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        pass
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(outsider.pid, sig)
-        except ProcessLookupError:
-            break
-    outsider.wait(timeout=30)
 
 
 def answers(run_dir: Path) -> list[dict]:
@@ -73,7 +46,7 @@ def test_outsiders_are_refused_by_a_live_swarm_and_change_nothing(tmp_path):
         "data.eval_batches": 2, "sync.reduce_timeout_s": 8.0, "sync.announce_s": 3.0, "sync.manifest_s": 3.0,
         "checkpoint.every_rounds": 2, "churn.spec": "join:1@r3"})
     run_dir = tmp_path / "run"
-    outsider = start_outsider(run_dir)
+    outsider = start_outsider(run_dir, 400)
     try:
         sim = Simulation(config, PEERS, run_dir, progress=False, timeout_s=360)
         report = sim.run()  # raises if any process group outlived the run

@@ -21,7 +21,7 @@ from lowcomm.collectives.pair_exchange import PairExchange
 from lowcomm.collectives.pair_inbox import Inbox
 from lowcomm.proto import wire_pb2
 from lowcomm.transport.signing import Signer, digest
-from rpc_fuzz import WatchedService, fuzz_settings, served
+from rpc_fuzz import WatchedService, fuzz_settings, recorded, served
 from unit.test_pair_exchange import CHANNEL, KEY, SHAPES, tensors_for
 
 Reply = wire_pb2.ExchangeReply
@@ -125,14 +125,7 @@ def honest(first, signing, ending) -> bool:
 def test_hostile_pushes_are_refused_counted_and_nothing_is_decoded_before_its_signature_holds():
     service = WatchedService("receiver")
     exchange = receiver(service)
-    decoded = []
-    decode = exchange.format.decode
-
-    def recorded_decode(blob):
-        decoded.append(blob)
-        return decode(blob)
-
-    exchange.format.decode = recorded_decode
+    decoded = recorded(exchange.format, "decode")
     with served(service) as (stub, _):
 
         @fuzz_settings(250)

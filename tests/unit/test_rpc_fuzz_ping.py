@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from lowcomm.proto import wire_pb2
 from lowcomm.transport.service import DIAL_BACKS
-from rpc_fuzz import WatchedService, fuzz_settings, served
+from rpc_fuzz import WatchedService, fuzz_settings, recorded, served
 
 ME = "pinged-peer"
 TIMEOUT_S = 20.0  # a dial-back probe gives up after 5 s; never asserted as a duration
@@ -50,14 +50,7 @@ def targets(own_port: int, dead_port: int) -> st.SearchStrategy[tuple[str, str]]
 
 def test_hostile_pings_dial_only_the_callers_own_address():
     service = WatchedService(ME)
-    dialled = []
-    once = service.channels.once
-
-    def recorded_once(endpoint):
-        dialled.append(endpoint)
-        return once(endpoint)
-
-    service.channels.once = recorded_once
+    dialled = recorded(service.channels, "once")
     with served(service) as (stub, endpoint):
         own_port, dead_port = int(endpoint.rsplit(":", 1)[1]), closed_port()
 
