@@ -86,6 +86,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "pipeline.checkpoint_every_rounds": (lambda v: v >= 0, ">= 0 (0: none)"),
     "pipeline.rebalance_every_rounds": (lambda v: v >= 0, ">= 0 (0: only on the test hook)"),
     "checkpoint.every_rounds": (lambda v: v >= 0, ">= 0 (0: none)"), "checkpoint.keep": _AT_LEAST_1,
+    "checkpoint.every_s": _AT_LEAST_0,
 }
 
 

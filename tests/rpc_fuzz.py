@@ -78,6 +78,10 @@ class WatchedService(PeerService):
         with self._held():
             return super().Ping(request, context)
 
+    def Wake(self, request, context):
+        with self._held():
+            return super().Wake(request, context)
+
     def StageForward(self, request, context):
         with self._held():
             return super().StageForward(request, context)

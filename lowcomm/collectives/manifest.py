@@ -1,8 +1,9 @@
 """Round membership: peers announce for a round in the DHT and follow one manifest written by a leader.
 
-With `sync.max_contributors` = G > 0 the manifest also bounds the round's fan-in: only G members,
-the first G in the order of sha256(run ‖ group ‖ round ‖ peer id) (a fair rotation across rounds),
-send contributions; the other members receive the aggregate without adding to it.
+Waits read the DHT when another peer wakes this one (transport.wakeups: its announcement or manifest
+is there), else at a slow poll. With `sync.max_contributors` = G > 0 the manifest bounds the fan-in:
+only the first G members in the order of sha256(run ‖ group ‖ round ‖ peer id) (a rotation across
+rounds) send contributions; the others receive the aggregate without adding to it.
 
 The leader is the lowest peer id among the announcers that reached the round, the members of the
 previous manifest first; if its manifest does not appear within `manifest_s`, the next candidate
@@ -38,9 +39,10 @@ from typing import Callable
 from lowcomm.collectives.base import CollectiveError, NotInRound
 from lowcomm.collectives.config import SyncConfig
 from lowcomm.transport.control import ControlPlane, PeerRecord
+from lowcomm.transport.wakeups import Wakes
 
 logger = logging.getLogger(__name__)
-POLL_S = 0.05
+POLL_S = 0.05  # how often a wait reads the DHT without wakes (transport.wakeups: with them, when woken)
 QUORUM_POLL_S = 0.5  # how often a writer short of a quorum looks again (announcers and live records)
 KNOWN_MANIFESTS = 8  # per group: the manifests remembered for the writer check
 
@@ -87,11 +89,13 @@ class ManifestAgreement:
 
     def __init__(self, control: ControlPlane, sync: SyncConfig, endpoint: str, client_mode: bool = False,
                  on_event=None, due_in_group: Callable[[str, PeerRecord], bool] | None = None,
-                 admits: Callable[[str], bool] | None = None, quorum: bool = False):
+                 admits: Callable[[str], bool] | None = None, quorum: bool = False, wakes: Wakes | None = None):
         """`due_in_group(group, record)`: whether a live peer is expected in the group's rounds (pipelines:
         only the replicas of the group's stage); by default every training or joining peer is.
         `admits(peer_id)`: whether the run lets that peer be a member (default: everyone).
-        `quorum`: write and follow only manifests a majority of the previous members' live ones reached."""
+        `quorum`: write and follow only manifests a majority of the previous members' live ones reached.
+        `wakes`: what waits end on (default: a poll every POLL_S, nobody woken)."""
+        self.wakes = wakes or Wakes.polling(POLL_S)
         self.control = control
         self.quorum = quorum
         self.admits = admits or (lambda peer_id: True)
@@ -104,6 +108,7 @@ class ManifestAgreement:
         self._known: dict[str, list[tuple[int, frozenset[str]]]] = {}  # group -> (first round, members), by round
         self._refused: set[tuple[str, int, str, str]] = set()  # (group, round, peer, reason) already counted
         self.refused_writers = 0
+        self._records: tuple[float, dict[str, PeerRecord]] = (float("-inf"), {})  # (read at, live records)
 
     # ---- which writers count --------------------------------------------------------------------
 
@@ -187,9 +192,13 @@ class ManifestAgreement:
     def agree(self, group: str, round_: int, epoch_rounds: int, codec: str,
               suspects: frozenset[str] = frozenset()) -> Manifest:
         """The manifest of ``round_`` this peer follows (and remembers: it decides who writes the next)."""
+        with self.wakes.watching(group, round_):  # from before the announcement: no wake is missed
+            return self._agree(group, round_, epoch_rounds, codec, suspects)
+
+    def _agree(self, group: str, round_: int, epoch_rounds: int, codec: str, suspects: frozenset[str]) -> Manifest:
         ttl = self._ttl
         self.announce(group, round_)
-        announcers = self._gather(group, round_, suspects)
+        announcers, complete = self._gather(group, round_, suspects)
         candidates = sorted(p for p, info in announcers.items() if not info.get("ahead") and self.admits(p))
         trusted = self.trusted(group, round_)
         if trusted is None:
@@ -199,6 +208,7 @@ class ManifestAgreement:
             first_outside = sum(p in trusted for p in candidates)
         published, short, checked = False, None, float("-inf")
         mine = order.index(self.me) if self.me in order else None
+        settled = order[:1] if complete and trusted is not None else []
         started = time.monotonic()
         while True:
             now = time.monotonic()
@@ -206,7 +216,7 @@ class ManifestAgreement:
             fallback = frozenset(order[first_outside:turn + 1])
             manifests = self.control.manifests(group, round_)
             if manifests and self._pick(manifests, group, round_, fallback) is not None:
-                return self._follow(manifests, group, round_, fallback)
+                return self._follow(manifests, group, round_, fallback, settled)
             if turn >= len(order) and (short is None or now - started >= self.quorum_wait_s):
                 self._give_up(group, round_)
                 raise CollectiveError(f"no manifest for round {round_} after {len(order)} candidate leaders"
@@ -219,11 +229,12 @@ class ManifestAgreement:
                 if reason is None:
                     self._publish(group, round_, epoch_rounds, codec, announcers, ttl)
                     published = True
+                    continue  # read it back at once
                 elif short is None:  # the round waits (up to quorum_wait_s) for the others or their records' expiry
                     self.on_event("timeout", round=round_, stage="quorum", reason=reason)
                     logger.info("round %d: no manifest written: %s", round_, reason)
                 short = reason
-            time.sleep(POLL_S)
+            self.wakes.wait(group, round_, self.wakes.poll_s)
 
     def _give_up(self, group: str, round_: int) -> None:
         """Takes back this peer's announcement of a round it fails: a manifest written later must not
@@ -252,7 +263,7 @@ class ManifestAgreement:
         previous = self.trusted(group, round_)
         if not self.quorum or previous is None:
             return None
-        records = self.control.live_peers()
+        records = self._live()
         if self._solo_after_others(previous, members, records):
             return "this peer alone reached the round, and the previous round had other members"
         live = {p for p, rec in records.items() if rec.state == "training"} | {self.me}
@@ -269,20 +280,32 @@ class ManifestAgreement:
         resyncing = {p for p, rec in records.items() if rec.state == "joining"}
         return self.me in previous and bool(others - resyncing) and set(members) <= {self.me}
 
-    def _gather(self, group: str, round_: int, suspects: frozenset[str]) -> dict[str, dict]:
-        """Announcers, once every live peer due in this round has reached it or `announce_s` passed.
+    def _live(self) -> dict[str, PeerRecord]:
+        """The live records, read again once older than a poll interval (a round's looks share one read)."""
+        if time.monotonic() - self._records[0] >= self.wakes.poll_s:
+            self._records = (time.monotonic(), self.control.live_peers())
+        return self._records[1]
+
+    def _gather(self, group: str, round_: int, suspects: frozenset[str]) -> tuple[dict[str, dict], bool]:
+        """Announcers, once every live peer due in this round has reached it or `announce_s` passed, and
+        whether every due peer had. The first look wakes the due peers (they may wait on this one).
 
         A peer that only announced ahead (still training towards the round) is waited for up to
         `announce_s` like one that has not announced, but then stays a member, without a shard.
         A manifest already written ends the wait: the round's membership is settled.
         """
         deadline = time.monotonic() + self.sync.announce_s
+        woken = False
         while True:
             announcers = {p: info for p, info in self.control.announcers(group, round_).items()
                           if isinstance(info.get("endpoint"), str)}  # well-formed (withdrawals are dropped)
-            due = {p for p, rec in self.control.live_peers().items()
+            records = self._live()
+            due = {p for p, rec in records.items()
                    if rec.state in ("training", "joining") and rec.round <= round_ and p not in suspects
                    and self.due_in_group(group, rec) and self.admits(p)}
+            if not woken:
+                self.wakes.wake([records[p].endpoint for p in due if p != self.me], group, round_)
+                woken = True
             present = {p for p, info in announcers.items() if not info.get("ahead")} | {self.me}
             announced = due <= set(announcers) | {self.me}
             if (due <= present or time.monotonic() >= deadline
@@ -291,8 +314,8 @@ class ManifestAgreement:
                 if missing:  # a live record that never announced (dead, or late): the round goes on without it
                     self.on_event("timeout", round=round_, stage="announce", missing=sorted(missing))
                 announcers[self.me] = self._presence
-                return announcers
-            time.sleep(POLL_S)
+                return announcers, due <= present
+            self.wakes.wait(group, round_, deadline - time.monotonic())
 
     def _settled(self, group: str, round_: int) -> bool:
         """Whether a manifest that counts exists for the round (a stranger's does not end the wait)."""
@@ -315,14 +338,13 @@ class ManifestAgreement:
                             {p: announcers[p]["endpoint"] for p in members}, owners, codec,
                             bounded_fan_in(self.control.run, group, round_, members, self.sync.max_contributors))
         self.control.publish_manifest(group, round_, manifest.to_dict(), ttl)
+        self.wakes.wake([manifest.endpoints[p] for p in members if p != self.me], group, round_)
         logger.info("round %d: wrote the manifest for %d members", round_, len(members))
 
     def read(self, group: str, round_: int, fallback: bool = False) -> Manifest | None:
         """The manifest every member of the round follows (this peer a member or not); None if none yet.
-
         With ``fallback`` (a reader that saw the run move past the round), a writer outside the previous
-        members counts too if it announced that it reached the round: the writer of a run whose
-        previous members were all gone."""
+        members counts too if it announced that it reached the round (all previous members gone)."""
         manifests = self.control.manifests(group, round_)
         if not manifests:
             return None
@@ -333,16 +355,20 @@ class ManifestAgreement:
         manifest = self._pick(manifests, group, round_, outside)
         return self._remember(manifest) if manifest is not None else None
 
-    def _follow(self, manifests: dict[str, dict], group: str, round_: int, fallback: frozenset[str]) -> Manifest:
-        # A brief second look lets a lower-id leader's manifest that raced ours win everywhere.
-        time.sleep(POLL_S * 2)
-        manifests = self.control.manifests(group, round_) or manifests
+    def _follow(self, manifests: dict[str, dict], group: str, round_: int, fallback: frozenset[str],
+                settled: list[str] = ()) -> Manifest:
+        """``settled``: the first candidate leader once every due peer reached the round: no second look."""
         manifest = self._pick(manifests, group, round_, fallback)
+        if manifest is None or manifest.leader not in settled:
+            # A brief second look lets a lower-id leader's manifest that raced this one win everywhere.
+            time.sleep(POLL_S * 2)
+            manifests = self.control.manifests(group, round_) or manifests
+            manifest = self._pick(manifests, group, round_, fallback)
         if manifest is None:
             raise CollectiveError(f"round {round_}: every manifest that counts was malformed")
         previous = self.trusted(group, round_)
         if (self.quorum and previous is not None
-                and self._solo_after_others(previous, manifest.members, self.control.live_peers())):
+                and self._solo_after_others(previous, manifest.members, self._live())):
             raise CollectiveError(f"round {round_}: a manifest naming only this peer after a round with others")
         self._remember(manifest)
         if self.me not in manifest.members:

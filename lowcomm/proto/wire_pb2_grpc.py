@@ -54,6 +54,11 @@ class PeerStub:
                 request_serializer=lowcomm_dot_proto_dot_wire__pb2.PingRequest.SerializeToString,
                 response_deserializer=lowcomm_dot_proto_dot_wire__pb2.PingReply.FromString,
                 _registered_method=True)
+        self.Wake = channel.unary_unary(
+                '/lowcomm.Peer/Wake',
+                request_serializer=lowcomm_dot_proto_dot_wire__pb2.WakeRequest.SerializeToString,
+                response_deserializer=lowcomm_dot_proto_dot_wire__pb2.WakeReply.FromString,
+                _registered_method=True)
         self.Exchange = channel.stream_unary(
                 '/lowcomm.Peer/Exchange',
                 request_serializer=lowcomm_dot_proto_dot_wire__pb2.ExchangeChunk.SerializeToString,
@@ -93,6 +98,12 @@ class PeerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Ping(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Wake(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -138,6 +149,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Ping,
                     request_deserializer=lowcomm_dot_proto_dot_wire__pb2.PingRequest.FromString,
                     response_serializer=lowcomm_dot_proto_dot_wire__pb2.PingReply.SerializeToString,
+            ),
+            'Wake': grpc.unary_unary_rpc_method_handler(
+                    servicer.Wake,
+                    request_deserializer=lowcomm_dot_proto_dot_wire__pb2.WakeRequest.FromString,
+                    response_serializer=lowcomm_dot_proto_dot_wire__pb2.WakeReply.SerializeToString,
             ),
             'Exchange': grpc.stream_unary_rpc_method_handler(
                     servicer.Exchange,
@@ -263,6 +279,33 @@ class Peer:
             '/lowcomm.Peer/Ping',
             lowcomm_dot_proto_dot_wire__pb2.PingRequest.SerializeToString,
             lowcomm_dot_proto_dot_wire__pb2.PingReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Wake(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lowcomm.Peer/Wake',
+            lowcomm_dot_proto_dot_wire__pb2.WakeRequest.SerializeToString,
+            lowcomm_dot_proto_dot_wire__pb2.WakeReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -21,6 +21,7 @@ class CheckpointConfig:
     """The [checkpoint] section: how often the coordinator checkpoints the global model, how many it keeps."""
 
     every_rounds: int = 5  # 0: never
+    every_s: float = 600.0  # and at least this long after the last one (0: rounds alone)
     keep: int = 3  # the newest this many are kept
 
 

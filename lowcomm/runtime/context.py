@@ -33,6 +33,7 @@ from lowcomm.transport.control import ControlPlane
 from lowcomm.transport.identity import Identity, owner_marker_from_text, peer_id_of
 from lowcomm.transport.signing import Signer
 from lowcomm.transport.service import PeerService
+from lowcomm.transport.wakeups import Wakes, WakeSender
 from lowcomm.transport.shaper import LinkShaper
 from lowcomm.transport.wire import Channels, Traffic, start_server
 
@@ -60,6 +61,7 @@ class PeerContext:
         self.control: ControlPlane | None = None
         self.server = None  # the gRPC server
         self.channels: Channels | None = None
+        self.wake_sender: WakeSender | None = None
         self.compute_seconds = lambda: 0.0  # set by whoever computes (the trainer, the stage server)
         self.closed = False
 
@@ -84,6 +86,11 @@ class PeerContext:
         self.client_mode = self._decide_client_mode()
         self.holder = StateHolder(o.run_name, sync.chunk_bytes)
         self.service.state_handler = self.holder.serve
+        self.wake_sender = WakeSender(self.channels, self.traffic)
+
+    def wakes(self) -> Wakes:
+        """What agreement waits on and wakes others with (transport.wakeups)."""
+        return Wakes(self.service.wakeups, self.wake_sender)
 
     def _admission(self) -> Admission:
         """Who this run admits (run.mode); NotAdmitted, saying what to do, when it is not this peer. With the
@@ -131,6 +138,8 @@ class PeerContext:
         if self.traffic.link is not None:
             self.traffic.link.close()  # nothing waits on the emulated link any longer
         stopped = False
+        if self.wake_sender is not None:
+            self.wake_sender.close()
         for name, close in (("server", self._stop_server), ("channels", lambda: self.channels.close()),
                             ("control", lambda: self.control.shutdown())):
             try:
@@ -140,7 +149,8 @@ class PeerContext:
             except Exception as e:
                 logger.info("closing %s: %s", name, e)
         self.log.event("exit", bytes_sent=self.traffic.sent, checkpoint_bytes=self.traffic.checkpoint_sent,
-                       compute_s=self.compute_seconds(), server_stopped=stopped)
+                       compute_s=self.compute_seconds(), server_stopped=stopped,
+                       control_calls=dict(self.control.calls) if self.control is not None else {})
         self.log.close()
 
     def _stop_server(self) -> bool:

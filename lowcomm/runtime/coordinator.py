@@ -3,9 +3,10 @@
 Training does not depend on it: peers sync among themselves, and the config record it published
 outlives it for `CONFIG_TTL_S`. It follows the rounds (runtime.round_anchor.RoundFollower: the
 manifest chain and each round's agreed φ hash, signed as the round's anchor for joiners). It
-checkpoints by downloading state from a training peer every `checkpoint.every_rounds` rounds and
-keeps it only if its φ hashes to that round's anchor (else it refuses the state, a warning, and
-asks another peer next time); with `--resume DIR` it serves a checkpoint's state to the peers
+checkpoints by downloading state from a training peer every `checkpoint.every_rounds` rounds, once
+`checkpoint.every_s` passed since its last checkpoint (or its start), and keeps it only if its φ
+hashes to that round's anchor (else it refuses the state, a warning, and asks another peer next
+time); with `--resume DIR` it serves a checkpoint's state to the peers
 that join, and the run continues at that round. Its gRPC server answers peers' reachability checks
 (a Ping with a dial-back, transport.service), so a peer that joins always has someone to ask, the
 first one included.
@@ -44,7 +45,7 @@ from lowcomm.transport.wire import Channels, Traffic, start_server
 logger = logging.getLogger(__name__)
 CONFIG_TTL_S = 24 * 3600.0
 RUN_NAME_TTL_S = 180.0  # refreshed every minute: a run whose coordinator stopped drops off the list
-FOLLOW_S = 0.25  # how often the coordinator reads the rounds' manifests and votes
+FOLLOW_S = 1.0  # how often the coordinator reads the rounds' manifests and votes (a joiner may wait this for an anchor)
 
 
 class Coordinator:
@@ -63,6 +64,7 @@ class Coordinator:
         # who the run admits (run.mode): only they are followed, voted with and checkpointed from
         self.admission = Admission(config.run, self.identity.public_key_text, lambda: self.control.live_peers())
         self.last_checkpoint_round = 0
+        self.last_checkpoint_at = time.monotonic()  # checkpoint.every_s counts from here
         self.follower: RoundFollower | None = None  # from the first loop on, for runs whose replicas share φ
         self._first_round = 0
         self.refused_checkpoints = 0  # downloaded states whose φ was not the round's agreed one
@@ -161,7 +163,7 @@ class Coordinator:
                 if time.monotonic() >= beat_at:
                     self.control.publish_peer(self.record, self.config.sync.record_ttl_s)
                     self._maybe_checkpoint()
-                    beat_at = time.monotonic() + 1.0
+                    beat_at = time.monotonic() + self.config.sync.heartbeat_s
             except Exception as e:  # keep serving; a failed checkpoint is retried next time
                 logger.warning("coordinator loop: %s", e)
         self.shutdown()
@@ -179,6 +181,8 @@ class Coordinator:
     def _maybe_checkpoint(self) -> None:
         every = self.config.checkpoint.every_rounds
         if every <= 0 or self.config.pipelined:  # a pipeline's stages checkpoint themselves (runtime.stage_peer)
+            return
+        if time.monotonic() - self.last_checkpoint_at < self.config.checkpoint.every_s:
             return
         if self._pending is not None:
             self._keep_checked()
@@ -230,6 +234,7 @@ class Coordinator:
         path = save_checkpoint(self.run_dir / "checkpoints", snapshot, keep=self.config.checkpoint.keep,
                                config_json=self.config.to_json())
         self.last_checkpoint_round = snapshot.round
+        self.last_checkpoint_at = time.monotonic()
         self._refused_sources.clear()
         logger.info("checkpoint of round %d written to %s", snapshot.round, path)
 

@@ -94,7 +94,7 @@ class TrainingPeer:
         self.algorithm = algorithm(config.run.algo)
         # quorum: a peer cut off from the swarm fails its rounds instead of training alone (Decision 27)
         agreement = ManifestAgreement(ctx.control, config.sync, ctx.endpoint, ctx.client_mode, on_event=ctx.log.event,
-                                      admits=ctx.admission.admits, quorum=True)
+                                      admits=ctx.admission.admits, quorum=True, wakes=ctx.wakes())
         self.collective = self._collective(agreement)
         if o.byzantine:  # lies on the wire only: its own state stays honest (runtime.byzantine)
             self.collective = ByzantineCollective(self.collective, Attack(Kind.parse(o.byzantine), ctx.me),

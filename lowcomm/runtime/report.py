@@ -67,6 +67,7 @@ def build_report(records: list[dict], *, algo: str, peers: int, seed: int, model
         "wire_bytes": None,  # netns mode: every frame every node sent, headers and all
         "netns": False,
         "checkpoint_bytes": checkpoint_bytes,  # state served to the coordinator's checkpoints, not in bytes_sent
+        "control_calls": _summed(e.get("control_calls") or {} for e in exits.values()),  # DHT calls by kind
         "wall_s": last_t - first_t,
         "startup_s": first_t - started_at,
         "compute_s": sum(c.get("compute_s", 0.0) for c in compute.values()),
@@ -145,3 +146,12 @@ def _evals(records: list[dict], first_t: float, cumulative_bytes: dict[int, int]
         out.append({"t": r["t"] - first_t, "step": r["step"], "tokens": r["tokens"],
                     "bytes": max(done) if done else 0, "loss": r["loss"]})
     return out
+
+
+def _summed(counts) -> dict[str, int]:
+    """The per-peer call counts added up, by kind."""
+    out: dict[str, int] = defaultdict(int)
+    for one in counts:
+        for kind, n in one.items():
+            out[kind] += int(n)
+    return dict(sorted(out.items()))

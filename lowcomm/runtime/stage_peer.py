@@ -70,7 +70,8 @@ class StagePeer:
         self.eval_batches = heldout_batches(corpus.heldout, cfg.model.context, cfg.inner.batch_size,
                                             cfg.data.eval_batches)
         agreement = ManifestAgreement(ctx.control, cfg.sync, ctx.endpoint, ctx.client_mode, on_event=ctx.log.event,
-                                      due_in_group=_replica_of_group, admits=ctx.admission.admits)
+                                      due_in_group=_replica_of_group, admits=ctx.admission.admits,
+                                      wakes=ctx.wakes())
         self.collective = ShardedReduce(ctx.signer, ctx.service, ctx.channels, ctx.traffic, agreement, cfg.sync,
                                         cfg.diloco.codec, 1, on_event=ctx.log.event)
         self.device = pick_device(o.device)

@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -102,6 +103,7 @@ class ControlPlane:
         self.run = run
         self.rejected_records = 0
         self.run_epoch = 0.0  # from the run config's record (fetch_config)
+        self.calls: Counter[str] = Counter()  # "store peers", "get announce", ...: this node's DHT calls by kind
 
     @classmethod
     def start(cls, identity: Identity, run: str, initial_peers: list[str] | None = None,
@@ -149,7 +151,12 @@ class ControlPlane:
 
     # ---- generic signed records -------------------------------------------------------------
 
+    def _count(self, call: str, key: str) -> None:
+        kind = key[len(self.run) + 1:].split(".", 1)[0] if key.startswith(f"{self.run}.") else key
+        self.calls[f"{call} {kind}"] += 1
+
     def _store(self, key: str, value: dict, ttl: float) -> bool:
+        self._count("store", key)
         return bool(self._wait(lambda: self.dht.store(key, value, get_dht_time() + ttl,
                                                       subkey=self.identity.owner_marker, return_future=True)))
 
@@ -161,12 +168,14 @@ class ControlPlane:
         expiration. The tombstone expires ``ttl`` (the record's lifetime) plus TOMBSTONE_MARGIN_S from
         now, later than the record and than a heartbeat that was already in flight.
         """
+        self._count("store", key)
         self._wait(lambda: self.dht.store(key, {"peer_id": self.identity.peer_id, "gone": True},
                                           get_dht_time() + ttl + TOMBSTONE_MARGIN_S,
                                           subkey=self.identity.owner_marker, return_future=True))
 
     def _read(self, key: str) -> dict[str, dict]:
         """peer_id -> value for every well-formed record under `key` whose signer matches its peer_id."""
+        self._count("get", key)
         found = self._wait(lambda: self.dht.get(key, latest=True, return_future=True))
         if found is None or not isinstance(found.value, dict):
             return {}

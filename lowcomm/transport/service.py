@@ -19,6 +19,9 @@ GetState, which anyone may call (a joiner has no membership to prove), holds at 
 cannot starve the members' Reduce calls. A handler that raises `Overloaded` (its own per-sender
 cap) ends its call the same way.
 
+A Wake (transport.wakeups) is a hint with nothing to trust in it: a malformed one is refused and
+counted, a well-formed one at most makes a waiting agreement read the DHT sooner.
+
 A stage call passes the runtime's `stage_guard` first; a guard reports its own refusals (with the
 sender) and raises `Refused`, so each refused call is one `reject` event, not two. A stage serves
 one call at a time, so at most `MAX_STAGE_CALLS` are let in to wait for it: one more is answered
@@ -36,6 +39,7 @@ import grpc
 
 from lowcomm.proto import wire_pb2, wire_pb2_grpc
 from lowcomm.transport.addresses import ip_of, join_host_port, split_endpoint
+from lowcomm.transport.wakeups import Wakeups, valid_wake
 from lowcomm.transport.wire import Channels, Traffic, context_deadline, deadline_after
 
 logger = logging.getLogger(__name__)
@@ -107,6 +111,7 @@ class PeerService(wire_pb2_grpc.PeerServicer):
         self._by_method: dict[str, int] = {}  # the same, per method
         self.max_waiting_calls = MAX_WAITING_CALLS
         self.on_error: Callable[[str, str], None] | None = None
+        self.wakeups = Wakeups()  # what agreement waits on (transport.wakeups)
 
     @property
     def errors(self) -> int:
@@ -260,6 +265,19 @@ class PeerService(wire_pb2_grpc.PeerServicer):
         reply = wire_pb2.PingReply(peer_id=self.peer_id, round=self.round)
         if request.dial_back:
             self._dial_back(request, reply, context)
+        self.traffic.count_sent(reply, deadline)
+        return reply
+
+    def Wake(self, request, context):
+        """A hint that a round's records changed (transport.wakeups): wakes this peer's wait on it, if any."""
+        deadline = context_deadline(context)
+        self.traffic.count_received(request, deadline)
+        refused = valid_wake(request)
+        if refused is not None:
+            self._failed("Wake", ValueError(refused), context)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused)
+        self.wakeups.notify(request.group, request.round)
+        reply = wire_pb2.WakeReply()
         self.traffic.count_sent(reply, deadline)
         return reply
 

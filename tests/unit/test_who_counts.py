@@ -272,7 +272,7 @@ def test_the_state_hash_is_the_replicas_own_phi_hash():
 
 def test_the_coordinator_refuses_to_checkpoint_a_state_that_is_not_the_agreed_phi(tmp_path, monkeypatch):
     config = RunConfig()
-    config.checkpoint.every_rounds = 2
+    config.checkpoint.every_rounds, config.checkpoint.every_s = 2, 0.0
     names = [n for n, _ in build_model(config.model).named_parameters()]
     shapes = {n: tuple(p.shape) for n, p in build_model(config.model).named_parameters()}
 

@@ -1,0 +1,79 @@
+"""Agreement without polling (transport.wakeups): peers whose slow poll never comes within the test
+(an hour) still settle every round, because each announcement and the manifest wake the peers that
+wait on them; and the DHT reads a round costs a peer stay within a bound of the design: a look per
+wake (each other peer's announcement, the manifest) and a few of its own, not one per 50 ms."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+from lowcomm.collectives.config import SyncConfig
+from lowcomm.collectives.manifest import ManifestAgreement
+from lowcomm.transport.control import PeerRecord
+from lowcomm.transport.wakeups import Wakes, Wakeups
+from unit.test_who_counts import MemoryControl
+
+NEVER_S = 3600.0  # no poll and no deadline comes within the test
+WAIT_S = 60.0  # a bound only a lost wake reaches; never asserted as a duration
+SYNC = SyncConfig(announce_s=NEVER_S, manifest_s=NEVER_S)
+
+
+class CountedControl(MemoryControl):
+    """Counts the reads a peer makes (each would be a DHT get)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.reads = Counter()
+
+    def announcers(self, group, round_):
+        self.reads["announce"] += 1
+        return super().announcers(group, round_)
+
+    def live_peers(self):
+        self.reads["peers"] += 1
+        return super().live_peers()
+
+    def manifests(self, group, round_):
+        self.reads["manifest"] += 1
+        return super().manifests(group, round_)
+
+
+class MemorySender:
+    """Delivers a wake straight to the Wakeups of the peer at that endpoint."""
+
+    def __init__(self, by_endpoint: dict[str, Wakeups]):
+        self.by_endpoint = by_endpoint
+
+    def wake(self, endpoints, group, round_):
+        for endpoint in endpoints:
+            self.by_endpoint[endpoint].notify(group, round_)
+
+
+def agree_all(ids: list[str], round_: int, previous: list[str] | None):
+    store, by_endpoint = {}, {f"{p}:1": Wakeups() for p in ids}
+    live = {p: PeerRecord(p, f"{p}:1", state="training", round=round_) for p in ids}
+    controls = [CountedControl(p, store, live) for p in ids]
+    agreements = [ManifestAgreement(c, SYNC, f"{p}:1", quorum=True,
+                                    wakes=Wakes(by_endpoint[f"{p}:1"], MemorySender(by_endpoint), poll_s=NEVER_S))
+                  for p, c in zip(ids, controls)]
+    if previous is not None:
+        for agreement in agreements:
+            agreement.learn("0-0", round_ - 1, previous)
+    results = [None] * len(ids)
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, agreements[i].agree("0-0", round_, 1, "fp32")))
+               for i in range(len(ids))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT_S)
+    return results, controls
+
+
+def test_a_round_settles_on_wakes_alone_with_a_bounded_number_of_reads():
+    ids = ["a", "b", "c", "d"]
+    for previous in (None, ids):  # the run's first round, and a round after one with the same members
+        results, controls = agree_all(ids, 5, previous)
+        assert all(m is not None and m.leader == "a" and m.members == ids for m in results)
+        for control in controls:  # 2 per look of the gather (one per wake), the quorum check's 2, a few manifest reads
+            assert sum(control.reads.values()) <= 2 * len(ids) + 6, control.reads

@@ -1,0 +1,94 @@
+"""Wakes (transport.wakeups) are hints: kept only for a round somebody watches, each ends one wait,
+and a flood of them ends waits no more often than MIN_READ_S; a WakeSender reaches live peers and
+only counts a dead one as failed."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from lowcomm.transport.service import PeerService
+from lowcomm.transport.wakeups import MIN_READ_S, Wakes, WakeSender, Wakeups
+from lowcomm.transport.wire import Channels, Traffic, start_server
+
+WAIT_S = 60.0  # a bound only a lost wake reaches; never asserted as a duration
+
+
+def test_a_wake_for_an_unwatched_round_is_dropped():
+    wakeups = Wakeups()
+    assert not wakeups.notify("g", 1)
+    with wakeups.watching("g", 1):
+        assert wakeups.notify("g", 1)
+        assert wakeups.wait("g", 1, WAIT_S)
+        assert not wakeups.wait("g", 1, 0.0)  # one wake ends one wait
+    assert not wakeups.notify("g", 1) and wakeups._waiting == {} and wakeups._woken == set()
+
+
+def test_a_wake_ends_a_wait_in_another_thread():
+    wakeups, woken = Wakeups(), []
+    with wakeups.watching("g", 3):
+        waiter = threading.Thread(target=lambda: woken.append(wakeups.wait("g", 3, WAIT_S)))
+        waiter.start()
+        wakeups.notify("g", 2)  # not this round
+        wakeups.notify("g", 3)
+        waiter.join(WAIT_S + 5)
+    assert woken == [True]
+
+
+def test_a_flood_of_wakes_ends_a_wait_at_most_once_per_read_interval():
+    wakeups, flooding = Wakeups(), threading.Event()
+
+    def flood():
+        while not flooding.is_set():
+            wakeups.notify("g", 0)
+
+    with wakeups.watching("g", 0):
+        threads = [threading.Thread(target=flood) for _ in range(2)]
+        for t in threads:
+            t.start()
+        try:
+            ends = []
+            for _ in range(5):
+                start = time.monotonic()
+                ends.append((wakeups.wait("g", 0, WAIT_S), time.monotonic() - start >= MIN_READ_S))
+        finally:
+            flooding.set()
+            for t in threads:
+                t.join()
+    assert ends == [(True, True)] * 5  # woken each time, never sooner than MIN_READ_S after the last read
+
+
+def test_polling_wakes_wait_without_anyone_to_wake_them():
+    wakes = Wakes.polling(0.01)
+    with wakes.watching("g", 0):
+        assert not wakes.wait("g", 0, WAIT_S)  # a poll interval, not WAIT_S
+    wakes.wake(["127.0.0.1:1"], "g", 0)  # nobody to wake: nothing happens
+
+
+def test_a_sender_wakes_a_live_peer_and_counts_a_dead_one():
+    service = PeerService("woken", Traffic(), Channels(1 << 16))
+    server, port = start_server(service, "127.0.0.1", 0, 1 << 16)
+    channels = Channels(1 << 16)
+    sender = WakeSender(channels, Traffic())
+    try:
+        with service.wakeups.watching("g", 5):
+            sender.wake([f"127.0.0.1:{port}", None, ""], "g", 5)
+            assert service.wakeups.wait("g", 5, WAIT_S)
+        done = threading.Event()
+        original = sender._send
+
+        def send_and_note(*args):
+            try:
+                original(*args)
+            finally:
+                done.set()
+
+        sender._send = send_and_note
+        sender.wake(["127.0.0.1:1"], "g", 5)  # nothing listens there
+        assert done.wait(WAIT_S)
+        assert sender.sent == 1 and sender.failed == 1
+    finally:
+        sender.close()
+        channels.close()
+        server.stop(0)
+        service.channels.close()
