@@ -29,6 +29,10 @@ DHT_CALL_S = 30.0  # the longest one store or get may take
 RUNS_KEY = "lowcomm.runs"  # every coordinator's run name, so `status` can list the runs a DHT holds
 MAX_RUN_NAME = 128
 TOMBSTONE_MARGIN_S = 30.0  # how much longer than a record its tombstone lives
+# hivemind's caching, off: every read here asks for the latest records (latest=True), so a copy pushed to
+# the nearest node after each read (cache_nearest) and the background re-reads of cached keys before they
+# expire (cache_refresh_before_expiry) only cost traffic
+DHT_TRAFFIC = {"cache_nearest": 0, "cache_refresh_before_expiry": 0}
 
 
 class ConfigRejected(RuntimeError):
@@ -119,6 +123,7 @@ class ControlPlane:
                 announce_maddrs=announce_maddrs,
                 record_validators=[identity.validator],
                 start=True,
+                **DHT_TRAFFIC,
             )
         except Exception as e:  # p2pd's and hivemind's own error types; the first line says what happened
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
