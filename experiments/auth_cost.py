@@ -44,7 +44,8 @@ import sys
 import time
 from pathlib import Path
 
-from simulate_launch import run_simulate, save_table  # beside this script (its folder is on sys.path)
+from revisions import imported_from, in_tree, round_records, tree_env, worktree  # beside this script
+from simulate_launch import run_simulate, save_table  # (its folder is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]  # not put on sys.path: each revision's lowcomm is imported from its worktree
 
@@ -55,42 +56,6 @@ SMALL = {  # byzantine.py's SMALL: a run of ROUNDS rounds of H steps on a small 
 LARGE = {k: v for k, v in SMALL.items() if not k.startswith("model.")}  # the default model, the rest as SMALL
 PAYLOADS = {"small": (SMALL, 10, 10), "large": (LARGE, 6, 5)}  # overrides, rounds, H
 VARIANTS = ("unsigned", "signed")
-
-
-# ---- the two revisions -----------------------------------------------------------------------------
-
-def worktree(args, variant: str) -> Path:
-    """A worktree at the variant's commit under --worktrees, made or reused."""
-    rev = getattr(args, variant)
-    commit = subprocess.run(["git", "rev-parse", f"{rev}^{{commit}}"], cwd=REPO, check=True, capture_output=True,
-                            text=True).stdout.strip()
-    path = args.worktrees / f"{variant}-{commit[:7]}"
-    if path.exists():
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=path, capture_output=True, text=True).stdout.strip()
-        if head == commit:
-            return path
-        subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=REPO, check=True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["git", "worktree", "add", "--detach", str(path), commit], cwd=REPO, check=True,
-                   capture_output=True)
-    return path
-
-
-def tree_env(tree: Path) -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")
-
-
-def in_tree(tree: Path, code: str) -> str:
-    """Runs ``code`` with the worktree's lowcomm; its stdout."""
-    return subprocess.run([sys.executable, "-c", code], cwd=tree, env=tree_env(tree), check=True,
-                          capture_output=True, text=True).stdout
-
-
-def imported_from(tree: Path) -> str:
-    where = in_tree(tree, "import lowcomm; print(lowcomm.__file__)").strip()
-    if not where.startswith(str(tree)):
-        raise SystemExit(f"{tree}: lowcomm was imported from {where}, not from the worktree")
-    return where
 
 
 # ---- one row ---------------------------------------------------------------------------------------
@@ -137,20 +102,6 @@ def run_row(payload: str, variant: str, rep: int, tree: Path, args) -> dict:
         out.update(figures(report, round_records(run_dir / "run")))
     out["finished"] = rc == 0 and out.get("rounds") == rounds
     return out
-
-
-def round_records(run_dir: Path) -> list[dict]:
-    """Every `round` record of the peers' JSONL files under the run dir."""
-    records = []
-    for path in sorted(run_dir.rglob("*.jsonl")):
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if record.get("type") == "round":
-                records.append(record)
-    return records
 
 
 def figures(report: dict, records: list[dict]) -> dict:
