@@ -105,7 +105,8 @@ def _add_simulate(sub) -> None:
     simulate.add_argument("--fragments", type=int, help="Streaming DiLoCo's P (overrides streaming.fragments)")
     simulate.add_argument("--overlap", action="store_true", default=None,
                           help="DiLoCo and SparseLoCo: one-step-delay overlap, compute does not wait for the "
-                               "reduce (overrides diloco.overlap and sparseloco.overlap)")
+                               "reduce; DeMo: each step's update lands one step late (overrides diloco.overlap, "
+                               "sparseloco.overlap and demo.overlap)")
     simulate.add_argument("--report", type=Path, default=Path("runs/report.json"),
                           help="where the report goes (default: runs/report.json; runs/ is ignored by git)")
     simulate.add_argument("--run-dir", type=Path, help="folder for logs and peer records (default: beside the report)")
@@ -259,7 +260,8 @@ def simulate(args) -> int:
                               "run.seed": args.seed, inner_steps_key: args.inner_steps,
                               codec_key: args.codec, "streaming.fragments": args.fragments, "link.default": args.link,
                               "churn.spec": args.churn, "link.netns": args.netns,
-                              "diloco.overlap": args.overlap, "sparseloco.overlap": args.overlap})
+                              "diloco.overlap": args.overlap, "sparseloco.overlap": args.overlap,
+                              "demo.overlap": args.overlap})
     run_dir = args.run_dir or args.report.with_suffix("").with_name(args.report.stem + "-run")
     links = sorted({config.link.spec_for(i) or "unshaped" for i in range(args.peers)})
     churn = f", churn {parse_churn(config.churn.spec)}" if parse_churn(config.churn.spec) else ""

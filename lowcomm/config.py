@@ -142,7 +142,8 @@ class RunConfig:
     def overlap(self) -> bool:
         """One-step-delay overlap: the run's DiLoCo or SparseLoCo reduces run during the next round."""
         return ((self.run.algo == "diloco" and self.diloco.overlap)
-                or (self.run.algo == "sparseloco" and self.sparseloco.overlap))
+                or (self.run.algo == "sparseloco" and self.sparseloco.overlap)
+                or (self.run.algo == "demo" and self.demo.overlap))
 
     @property
     def streaming_run(self) -> bool:

@@ -35,6 +35,7 @@ class DemoConfig:
     chunk: int = 64  # compression_chunk s: chunk edge = largest divisor of each dimension ≤ s
     weight_decay: float = 0.0  # λ
     sign: bool = False  # 1-bit values on the wire (Psyche production)
+    overlap: bool = False  # each step's update lands one step late (demo_replica: Psyche production)
     zero_band: float = 0.0  # |U| ≤ zero_band·max|mean coefficient| counts as 0 (see aggregate_update)
 
     def codec(self) -> SparseCodec:

@@ -5,7 +5,8 @@ reduce of one payload, or NoLoCo's pair exchange; ``codec`` on the wire; ``combi
 combiner of the sparse algorithms, or the dense mean with DiLoCo's robust rule, `diloco.aggregate`;
 None: the plain mean, which ddp keeps to stay exact data parallelism; ``epoch_rounds``, rounds per
 membership epoch) and builds the replica from a `ReplicaSpec`. The one-step-delay overlap
-(`diloco.overlap`, `sparseloco.overlap`) wraps the replica the entry builds.
+(`diloco.overlap`, `sparseloco.overlap`) wraps the replica the entry builds; DeMo's (`demo.overlap`)
+is its replica's own.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ class Algorithm:
         return config.ddp.epoch_steps if self.per_step else 1
 
     def overlaps(self, config) -> bool:
-        return bool(getattr(getattr(config, self.section), "overlap", False))
+        """Whether the round-based one-step-delay overlap wraps the replica (a per-step algorithm's own
+        overlap, DeMo's one step late, is inside its replica)."""
+        return not self.per_step and bool(getattr(getattr(config, self.section), "overlap", False))
 
     def replica(self, spec: ReplicaSpec) -> Replica:
         """The replica of ``spec``, wrapped in the one-step-delay overlap where the config asks for it."""
@@ -72,7 +75,8 @@ def _demo(spec: ReplicaSpec) -> Demo:
     config = spec.config
     # the run's warm-up schedule, scaled to DeMo's own lr
     lr_at = None if spec.lr_at is None else (lambda step: spec.lr_at(step) * config.demo.lr / config.inner.lr)
-    return Demo(spec.model, config.demo, spec.collective, spec.key, lr_at, **_common(spec))
+    return Demo(spec.model, config.demo, spec.collective, spec.key, lr_at, **_common(spec),
+                overlap=config.demo.overlap, epoch_steps=config.ddp.epoch_steps)
 
 
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (

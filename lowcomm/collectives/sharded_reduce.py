@@ -1,14 +1,13 @@
 """The sharded reduce over gRPC (hivemind's butterfly, with one decision per shard).
 
-Each member cuts the flat payload into one part per shard owner and streams part j to owner j;
-owner j reduces what arrived by the deadline and returns the *encoded* reduced shard with its
-contributor list; every member (the owner too) decodes those same bytes, so replicas agree
-exactly. A shard whose owner died mid-reply is fetched from any member that received it; if no
-one did, the round is incomplete for this peer and it must resync state.
+Each member streams part j of its flat payload to shard owner j, which reduces what arrived by the
+deadline and returns the *encoded* reduced shard with its contributors; every member (the owner
+too) decodes those same bytes, so replicas agree exactly. A shard whose owner died mid-reply is
+fetched from any member that received it; if none did, nobody applies that slice.
 
-Membership comes from a manifest (collectives.manifest) that covers `epoch_rounds` rounds; a
-round in which some member failed to contribute ends the epoch, and the exclusion travels in the
-owners' contributor lists, so every member sees the same failure and re-forms the group.
+Membership comes from a manifest (collectives.manifest) that covers `epoch_rounds` rounds; a round
+in which a member failed to contribute ends the epoch, and the exclusion travels in the owners'
+contributor lists, so every member sees the same failure and re-forms the group.
 
 Every part is signed by its sender's key over (run, group, round, epoch, sender, shard, weight,
 codec, size, payload digest) (transport.signing); an owner checks the signature on the first chunk,
@@ -18,15 +17,15 @@ forged or relabelled one, one for another run or claiming the owner's own id, a 
 weight above `max_weight` (what one round can produce), a round too far ahead; a member's refused
 part closes the slot without it, and the owner's own non-finite part leaves it out of its shard.
 Nothing a remote part does raises into the owner's own round. At most `PER_SENDER_CALLS` Reduce
-calls per sender are served at once, and `STRANGER_CALLS` from all the senders no recent manifest
-names together (so fresh keys cannot take every waiting place from the members); beyond that the
-call ends with RESOURCE_EXHAUSTED (`Overloaded`).
+calls per sender are served at once, and `STRANGER_CALLS` from all senders no recent manifest names
+(fresh keys cannot take the members' places); beyond that, RESOURCE_EXHAUSTED (`Overloaded`).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -84,6 +83,7 @@ class ShardedReduce(Collective):
         self.before_send = None  # fault-injection hook for tests: called with the round after the manifest
         self._manifests: dict[str, Manifest] = {}
         self._suspects: dict[str, frozenset[str]] = {}
+        self._agreeing = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="reduce")
         self._calls = SenderCalls(PER_SENDER_CALLS)  # Reduce calls being served, by claimed sender
         self._strangers = StrangerCalls(STRANGER_CALLS)  # ... by senders outside the recent manifests
@@ -122,13 +122,14 @@ class ShardedReduce(Collective):
         self._manifests.pop(key.group, None)
 
     def _manifest_for(self, key: GroupKey, round_: int) -> Manifest:
-        manifest = self._manifests.get(key.group)
-        if manifest is None or not manifest.covers(round_):
-            suspects = self._suspects.get(key.group, frozenset())
-            manifest = self.agreement.agree(key.group, round_, self.epoch_rounds, self.codec, suspects)
-            self._manifests[key.group] = manifest
-            self._strangers.learn(key.group, manifest.members)
-        return manifest
+        with self._agreeing:  # a round started while the one before agrees (DeMo one step late) waits for it
+            manifest = self._manifests.get(key.group)
+            if manifest is None or not manifest.covers(round_):
+                suspects = self._suspects.get(key.group, frozenset())
+                manifest = self.agreement.agree(key.group, round_, self.epoch_rounds, self.codec, suspects)
+                self._manifests[key.group] = manifest
+                self._strangers.learn(key.group, manifest.members)
+            return manifest
 
     def _run(self, key: GroupKey, round_: int, payload, weight: float) -> RoundResult:
         t0 = time.monotonic()
@@ -271,12 +272,10 @@ class ShardedReduce(Collective):
         return ShardReply(values, list(first.contributors), blob)
 
     def catch_up(self, key: GroupKey, round_: int, numel: int, manifest: Manifest) -> RoundResult:
-        """The result of a round this peer was left out of, fetched from the members that hold it.
-
-        Every member keeps the round's encoded reduced shards (the bytes it applied), so a peer that
-        announced too late can apply exactly those bytes: it loses its own contribution for the
-        round but stays on the shared φ at the cost of one round's download instead of the state.
-        """
+        """The result of a round this peer was left out of, fetched from the members that hold it. Every
+        member keeps the round's encoded reduced shards (the bytes it applied), so a peer that announced
+        too late applies exactly those: it loses its own part but stays on the shared φ for one round's
+        download instead of the state's."""
         t0 = time.monotonic()
         self.slots.reach(key.group, round_)
         deadline = t0 + self.sync.reduce_timeout_s + 2 * self.sync.manifest_s
