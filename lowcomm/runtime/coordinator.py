@@ -160,9 +160,9 @@ class Coordinator:
                     self.control.publish_run_name(ttl=RUN_NAME_TTL_S)
                     refresh_at = time.monotonic() + 60
                 self._follow_rounds()  # often: a joiner waits for the anchor of the round it downloads
+                self._maybe_checkpoint()
                 if time.monotonic() >= beat_at:
                     self.control.publish_peer(self.record, self.config.sync.record_ttl_s)
-                    self._maybe_checkpoint()
                     beat_at = time.monotonic() + self.config.sync.heartbeat_s
             except Exception as e:  # keep serving; a failed checkpoint is retried next time
                 logger.warning("coordinator loop: %s", e)
