@@ -303,3 +303,10 @@ def test_the_coordinator_refuses_to_checkpoint_a_state_that_is_not_the_agreed_ph
     assert asked == ["bad:1", "good:1"]
     saved = list((tmp_path / "checkpoints").glob("round-*"))
     assert len(saved) == 1 and state_phi_hash(st_load((saved[0] / "state.safetensors").read_bytes()), names) == agreed
+    config.checkpoint.every_s = 3600.0  # the next one is due in rounds, not yet in time: nobody is asked
+    live["good"].round = 9
+    coordinator._maybe_checkpoint()
+    assert asked == ["bad:1", "good:1"]
+    coordinator.last_checkpoint_at -= 3600.0
+    coordinator._maybe_checkpoint()
+    assert asked[-1] == "good:1" and len(asked) == 3
