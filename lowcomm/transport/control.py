@@ -29,10 +29,10 @@ DHT_CALL_S = 30.0  # the longest one store or get may take
 RUNS_KEY = "lowcomm.runs"  # every coordinator's run name, so `status` can list the runs a DHT holds
 MAX_RUN_NAME = 128
 TOMBSTONE_MARGIN_S = 30.0  # how much longer than a record its tombstone lives
-# hivemind's caching, off: a copy pushed to the nearest node after each read (cache_nearest) and background
-# re-reads of cached keys before they expire (cache_refresh_before_expiry) only cost traffic, and a cached
-# copy (cache_locally) would answer a read of the first replica found with records that stopped changing
-DHT_TRAFFIC = {"cache_nearest": 0, "cache_refresh_before_expiry": 0, "cache_locally": False}
+# hivemind's caching, off: every read here asks for the latest records (latest=True), so a copy pushed to
+# the nearest node after each read (cache_nearest) and the background re-reads of cached keys before they
+# expire (cache_refresh_before_expiry) only cost traffic
+DHT_TRAFFIC = {"cache_nearest": 0, "cache_refresh_before_expiry": 0}
 
 
 class ConfigRejected(RuntimeError):
@@ -178,16 +178,10 @@ class ControlPlane:
                                           get_dht_time() + ttl + TOMBSTONE_MARGIN_S,
                                           subkey=self.identity.owner_marker, return_future=True))
 
-    def _read(self, key: str, merged: bool = False) -> dict[str, dict]:
-        """peer_id -> value for every well-formed record under `key` whose signer matches its peer_id.
-
-        From the first replica of `key` found, this node first (it is one of them in a swarm of up to
-        hivemind's num_replicas nodes: the read costs no traffic), unless ``merged``: the records of
-        every node the search reaches, merged (hivemind's latest=True, a message to each of them), which
-        no single replica can censor. The round's records, read often, come from one replica; what a
-        peer trusts once (the run config, the coordinator's anchors) is merged."""
+    def _read(self, key: str) -> dict[str, dict]:
+        """peer_id -> value for every well-formed record under `key` whose signer matches its peer_id."""
         self._count("get", key)
-        found = self._wait(lambda: self.dht.get(key, latest=merged, return_future=True))
+        found = self._wait(lambda: self.dht.get(key, latest=True, return_future=True))
         if found is None or not isinstance(found.value, dict):
             return {}
         out = {}
@@ -221,7 +215,7 @@ class ControlPlane:
         deadline = time.monotonic() + timeout
         others = set()
         while time.monotonic() < deadline:
-            records = self._read(f"{self.run}.config", merged=True)
+            records = self._read(f"{self.run}.config")
             if expected in records:
                 value = records[expected]
                 text, config_hash, version = value.get("config"), value.get("hash"), value.get("version", 0)
@@ -265,7 +259,7 @@ class ControlPlane:
 
     def runs_seen(self) -> list[str]:
         """The run names coordinators listed in this DHT (well-formed names only), sorted."""
-        names = {v.get("run") for v in self._read(RUNS_KEY, merged=True).values()}
+        names = {v.get("run") for v in self._read(RUNS_KEY).values()}
         return sorted(n for n in names if isinstance(n, str) and 0 < len(n) <= MAX_RUN_NAME and n.isprintable())
 
     # ---- rounds ------------------------------------------------------------------------------
@@ -307,4 +301,4 @@ class ControlPlane:
 
     def anchors(self, group: str, round_: int) -> dict[str, dict]:
         """signer -> anchor record of ``round_``; the reader picks the coordinator's."""
-        return self._read(f"{self.run}.anchor.{group}.{round_}", merged=True)
+        return self._read(f"{self.run}.anchor.{group}.{round_}")
