@@ -1,16 +1,17 @@
 """What the control plane costs on the wire: revisions side by side in network namespaces at 20 Mbit/s.
 
-    sudo python experiments/control_plane.py [--revisions polling=42d939f wakes=671f6d2 replica-reads=HEAD]
+    sudo python experiments/control_plane.py [--revisions polling=42d939f wakes=HEAD replica-reads=5840d0c]
         [--algos diloco sparseloco] [--peers 4] [--steps 300] [--link 20mbit] [--seed 0] [--reps 1]
         [--worktrees /tmp/lowcomm-control-plane] [--keep-worktrees] [--out experiments/out/control_plane]
         [--timeout-s 900] [--table-only]
 
 The revisions: ``polling`` (42d939f) polls the DHT every 50 ms while a round is agreed, each read
 merged from every DHT node (hivemind's latest=True), and the coordinator checkpoints every 5 rounds;
-``wakes`` (671f6d2) ends those waits on Wake hints (transport.wakeups) with a 0.5 s fallback poll,
-the coordinator follows rounds every second and checkpoints at most every 600 s; ``replica-reads``
-reads the round's records from the first replica found, the node's own storage in a swarm this
-small (transport.control). Each runs from a git worktree of its own (experiments/revisions.py).
+``wakes`` (this tree, Decision 28) ends those waits on Wake hints (transport.wakeups) with a 0.5 s
+fallback poll, turns hivemind's caching off, and the coordinator follows rounds every second and
+checkpoints at most every 600 s; ``replica-reads`` (5840d0c, withdrawn) also read the round's
+records from the first replica found, the node's own storage in a swarm this small. Each runs from
+a git worktree of its own (experiments/revisions.py).
 
 A row is one `lowcomm simulate --netns --link RATE --peers N --steps S` of one algorithm at one
 revision, with the default run otherwise (DiLoCo uint8 or SparseLoCo, H = 30, the default model):
@@ -38,7 +39,7 @@ from revisions import imported_from, round_records, tree_env, worktree  # beside
 from simulate_launch import run_simulate, save_table  # (its folder is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_REVISIONS = ["polling=42d939f", "wakes=671f6d2", "replica-reads=HEAD"]
+DEFAULT_REVISIONS = ["polling=42d939f", "wakes=HEAD", "replica-reads=5840d0c"]
 
 
 def parse_revisions(items: list[str]) -> dict[str, str]:
