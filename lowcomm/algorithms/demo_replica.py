@@ -14,7 +14,9 @@ step t sends its payload, then applies step t − 1's U, which had step t's forw
 travel, so p_{t+1} = p_t·(1 − ηλ) − η·sign(U_{t−1}). Every U is applied once, by every replica, in
 the same order, so the replicas stay identical; only the point each gradient is taken at moves one
 update back. The last step of each membership epoch (`ddp.epoch_steps`) and of the run waits for
-its own U, so at an epoch's end, where φ is voted on and joiners come in, nothing is in flight.
+its own U, so at an epoch's end, where φ is voted on and joiners come in, nothing is in flight. A
+round that excludes a member ends the epoch one round later (the collective's ``lag``): the next
+round may have started on the old manifest on some peers and not others, so all run it there.
 """
 
 from __future__ import annotations
@@ -89,9 +91,12 @@ class Demo(PerStepReplica):
             return
         step, handle, config, t0, bytes_before = self._pending
         self._pending = None
+        waited = time.time()
         result = self._await(step, lambda: handle.result(self.hooks.timeout_s))
         self._apply(result, config)
-        self._landed(step, result, self.tokens_per_step, t0, self.hooks.meter() - bytes_before)
+        # sync_s: what the step waited for, not the next step's compute that the round overlapped
+        self._landed(step, result, self.tokens_per_step, t0, self.hooks.meter() - bytes_before,
+                     sync_s=time.time() - waited)
 
     def in_flight(self) -> bool:
         return self._pending is not None

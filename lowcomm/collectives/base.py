@@ -68,6 +68,19 @@ class Handle(Protocol):
     def done(self) -> bool: ...
 
 
+class FutureHandle:
+    """A `Handle` on a concurrent.futures.Future of the round."""
+
+    def __init__(self, future):
+        self._future = future
+
+    def result(self, deadline: float | None = None) -> Any:
+        return self._future.result(timeout=deadline)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+
 class Collective(ABC):
     """One peer's end of a group's rounds.
 
@@ -96,8 +109,9 @@ class Collective(ABC):
     def withdraw_ahead(self, key: GroupKey, round_: int) -> None:
         """Takes back ``announce_ahead`` (the peer leaves; best effort; default: nothing)."""
 
-    def end_epoch(self, key: GroupKey) -> None:
-        """Forgets the group's agreed membership so the next round agrees afresh (default: nothing)."""
+    def end_epoch(self, key: GroupKey, round_: int | None = None) -> None:
+        """Forgets the group's agreed membership so the next round agrees afresh (``round_``: after that
+        round's exclusion; default: nothing)."""
 
 
 def __getattr__(name: str):

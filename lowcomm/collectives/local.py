@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lowcomm.collectives.base import Collective, CollectiveError, GroupKey, NotInRound, RoundResult
+from lowcomm.collectives.base import Collective, CollectiveError, FutureHandle, GroupKey, NotInRound, RoundResult
 from lowcomm.collectives.combiners import DenseMean
 from lowcomm.collectives.reduce_owner import ContributionRejected, Slot, validate_weight
 
@@ -161,17 +161,6 @@ class LocalGroup:
                             "caught_up": True})
 
 
-class LocalHandle:
-    def __init__(self, future):
-        self._future = future
-
-    def result(self, deadline: float | None = None):
-        return self._future.result(timeout=deadline)
-
-    def done(self) -> bool:
-        return self._future.done()
-
-
 class LocalCollective(Collective):
     """Member ``me`` of a ``LocalGroup``: ``start(key, round, payload, weight).result(timeout)``."""
 
@@ -180,10 +169,10 @@ class LocalCollective(Collective):
         self.me = me
         self.before_send = None
 
-    def start(self, key: GroupKey, round_: int, payload, weight: float = 1.0) -> LocalHandle:
+    def start(self, key: GroupKey, round_: int, payload, weight: float = 1.0) -> FutureHandle:
         if isinstance(payload, torch.Tensor):
             payload = payload.detach().reshape(-1).to(torch.float32).cpu()
-        return LocalHandle(self.group._pool.submit(self.group._run, self.me, key, round_, payload, float(weight),
+        return FutureHandle(self.group._pool.submit(self.group._run, self.me, key, round_, payload, float(weight),
                                                    self.before_send))
 
     def catch_up(self, key: GroupKey, round_: int, numel: int, manifest) -> RoundResult:

@@ -208,7 +208,8 @@ class ManifestAgreement:
             first_outside = sum(p in trusted for p in candidates)
         published, short, checked = False, None, float("-inf")
         mine = order.index(self.me) if self.me in order else None
-        settled = order[:1] if complete and trusted is not None else []
+        # nobody can race the first candidate: every due peer reached the round, and it is the lowest previous member
+        settled = order[:1] if complete and trusted and order and order[0] == min(trusted) else []
         started = time.monotonic()
         while True:
             now = time.monotonic()
@@ -237,8 +238,7 @@ class ManifestAgreement:
             self.wakes.wait(group, round_, self.wakes.poll_s)
 
     def _give_up(self, group: str, round_: int) -> None:
-        """Takes back this peer's announcement of a round it fails: a manifest written later must not
-        name it as a member that reached the round (an owner whose shard never comes)."""
+        """Takes back the announcement of a round it fails: a later manifest must not name it as an owner."""
         try:
             self.withdraw(group, round_)
         except Exception as e:  # the DHT may be out of reach (a cut-off peer): the record then expires

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from lowcomm.collectives.base import Collective, CollectiveError, GroupKey, RoundResult
+from lowcomm.collectives.base import Collective, CollectiveError, FutureHandle, GroupKey, RoundResult
 from lowcomm.collectives.manifest import ManifestAgreement
 from lowcomm.collectives.pair_inbox import Inbox, InboxFull
 from lowcomm.collectives.pair_payload import TensorListFormat
@@ -63,17 +63,6 @@ class ExchangeResult:
     contributors: list[str]  # the group members whose tensors are in this member's update (itself included)
     participants: list[str]  # the round's manifest members
     info: dict = field(default_factory=dict)
-
-
-class ExchangeHandle:
-    def __init__(self, future):
-        self._future = future
-
-    def result(self, deadline: float | None = None) -> ExchangeResult:
-        return self._future.result(timeout=deadline)
-
-    def done(self) -> bool:
-        return self._future.done()
 
 
 def pairing_digest(groups: dict[str, tuple[str, ...]]) -> str:
@@ -109,12 +98,12 @@ class PairExchange(Collective):
 
     # ---- the caller's side ----------------------------------------------------------------
 
-    def start(self, key: GroupKey, round_: int, tensors: Sequence[torch.Tensor], weight: float = 1.0) -> ExchangeHandle:
+    def start(self, key: GroupKey, round_: int, tensors: Sequence[torch.Tensor], weight: float = 1.0) -> FutureHandle:
         """``tensors``: this member's contribution, shaped as ``shapes``. NoLoCo's mean is unweighted."""
         tensors = [t.detach().to("cpu", torch.float32) for t in tensors]
         channel = (key.run, key.group)
         self.inbox.enter(channel, round_)  # before announcing: a fast mate's push is buffered, not refused
-        return ExchangeHandle(self._rounds.submit(self._run, key, round_, tensors))
+        return FutureHandle(self._rounds.submit(self._run, key, round_, tensors))
 
     def catch_up(self, key: GroupKey, round_: int, numel: int, manifest) -> RoundResult:
         """No round result exists to fetch: each group averages apart (NoLoCo catches up alone)."""

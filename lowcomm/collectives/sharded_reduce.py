@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from lowcomm.collectives.base import Collective, CollectiveError, GroupKey, RoundResult
+from lowcomm.collectives.base import Collective, CollectiveError, FutureHandle, GroupKey, RoundResult
 from lowcomm.collectives.manifest import Manifest, ManifestAgreement
 from lowcomm.collectives.combiners import DenseMean
 from lowcomm.collectives.reduce_messages import KIND, part_bytes, part_chunks, reply_chunks, signed_header
@@ -63,9 +63,10 @@ class ShardedReduce(Collective):
 
     def __init__(self, signer: Signer, service: PeerService, channels: Channels, traffic: Traffic,
                  agreement: ManifestAgreement, sync: SyncConfig, codec: str, epoch_rounds: int = 1,
-                 on_event=None, combiner=None, max_weight: float | None = None):
+                 on_event=None, combiner=None, max_weight: float | None = None, lag: int = 0):
         """``max_weight``: the most tokens one member's part of a round can carry (tokens per step ×
-        inner steps); a part claiming more is refused (None: only reduce_owner.MAX_WEIGHT bounds it)."""
+        inner steps); a part claiming more is refused (None: only reduce_owner.MAX_WEIGHT bounds it).
+        ``lag``: the rounds a replica starts before the one before lands (DeMo one step late: 1)."""
         self.me = signer.peer_id
         self.signer = signer
         self.verifier = Verifier()
@@ -84,6 +85,8 @@ class ShardedReduce(Collective):
         self._manifests: dict[str, Manifest] = {}
         self._suspects: dict[str, frozenset[str]] = {}
         self._agreeing = threading.Lock()
+        self._ended: dict[str, int] = {}  # group -> the round whose exclusion ends its epoch
+        self.lag = lag
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="reduce")
         self._calls = SenderCalls(PER_SENDER_CALLS)  # Reduce calls being served, by claimed sender
         self._strangers = StrangerCalls(STRANGER_CALLS)  # ... by senders outside the recent manifests
@@ -92,12 +95,12 @@ class ShardedReduce(Collective):
 
     # ---- the caller's side ----------------------------------------------------------------
 
-    def start(self, key: GroupKey, round_: int, payload, weight: float = 1.0) -> "ReduceHandle":
+    def start(self, key: GroupKey, round_: int, payload, weight: float = 1.0) -> FutureHandle:
         """``payload``: a tensor (dense combiners) or what the combiner encodes (e.g. blobs per parameter)."""
         if isinstance(payload, torch.Tensor):
             payload = payload.detach().reshape(-1).to(torch.float32).cpu()
         future = self._pool.submit(self._run, key, round_, payload, float(weight))
-        return ReduceHandle(future)
+        return FutureHandle(future)
 
     def announce_ahead(self, key: GroupKey, round_: int) -> None:
         """Announces ``round_`` in the background (ManifestAgreement.announce); a failure only costs the head start."""
@@ -117,17 +120,23 @@ class ShardedReduce(Collective):
         except Exception as e:
             logger.info("round %d: withdrawing the announcement failed: %s", round_, e)
 
-    def end_epoch(self, key: GroupKey) -> None:
-        """Forces a fresh manifest for the next round (after a resync or a failure)."""
-        self._manifests.pop(key.group, None)
+    def end_epoch(self, key: GroupKey, round_: int | None = None) -> None:
+        """Forces a fresh manifest: at once (a resync), or past round ``round_ + lag`` when ``round_``
+        excluded a member (with a lag, the next rounds may have started on this manifest everywhere)."""
+        manifest = self._manifests.get(key.group)
+        if round_ is None:
+            self._manifests.pop(key.group, None)
+        elif manifest is not None and manifest.round <= round_:  # not a round from before a resync
+            self._ended[key.group] = round_
 
     def _manifest_for(self, key: GroupKey, round_: int) -> Manifest:
         with self._agreeing:  # a round started while the one before agrees (DeMo one step late) waits for it
-            manifest = self._manifests.get(key.group)
-            if manifest is None or not manifest.covers(round_):
+            manifest, ended = self._manifests.get(key.group), self._ended.get(key.group, round_)
+            if manifest is None or not manifest.covers(round_) or round_ > ended + self.lag:
                 suspects = self._suspects.get(key.group, frozenset())
                 manifest = self.agreement.agree(key.group, round_, self.epoch_rounds, self.codec, suspects)
                 self._manifests[key.group] = manifest
+                self._ended.pop(key.group, None)
                 self._strangers.learn(key.group, manifest.members)
             return manifest
 
@@ -182,7 +191,7 @@ class ShardedReduce(Collective):
                 self.on_event("hole_filled", round=round_, shard=j, owner=manifest.owners[j])
         lost = [j for j in range(len(manifest.owners)) if j not in replies]
         if my_shard is not None and len(lost) == len(manifest.owners) - 1 > 0 and replies[my_shard].contributors == [self.me]:
-            self.end_epoch(key)  # nothing reached it and nothing came back: cut off, not a round (Decision 27)
+            self.end_epoch(key, round_)  # nothing reached it and nothing came back: cut off (Decision 27)
             raise CollectiveError(f"round {round_}: no other member's part or shard came: this peer is cut off")
         for j in lost:
             # Nobody received it: its owner died before replying to anyone. Every member that lost it
@@ -192,15 +201,16 @@ class ShardedReduce(Collective):
         aggregate = torch.cat([replies[j].values for j in range(len(manifest.owners))])
         kept = [set(r.contributors) for j, r in replies.items() if j not in lost]
         if not kept:
-            self.end_epoch(key)
+            self.end_epoch(key, round_)
             raise CollectiveError(f"round {round_}: no shard could be obtained from anyone")
         contributors = sorted(set.intersection(*kept))
         absent = (set(manifest.senders) - set(contributors)) | {manifest.owners[j] for j in lost}
         if absent:  # the exclusion every member reads from the same owner replies
             if absent - timed_out:
                 self.on_event("timeout", round=round_, stage="reduce", excluded=sorted(absent - timed_out))
-            self._suspects[key.group] = frozenset(absent)
-            self.end_epoch(key)
+            if self._manifests.get(key.group) is manifest:  # not a round of an epoch a resync replaced
+                self._suspects[key.group] = frozenset(absent)
+            self.end_epoch(key, round_)
         elif manifest.round + manifest.epoch_rounds - 1 == round_:
             self._suspects[key.group] = frozenset()
         return RoundResult(aggregate, contributors, list(manifest.members),
@@ -386,14 +396,3 @@ class ShardedReduce(Collective):
                                        shard=request.shard, error="shard not held here")
             return
         yield from reply_chunks(held[0], held[1], request.round, request.shard, self.codec, self.sync.chunk_bytes)
-
-
-class ReduceHandle:
-    def __init__(self, future):
-        self._future = future
-
-    def result(self, deadline: float | None = None) -> RoundResult:
-        return self._future.result(timeout=deadline)
-
-    def done(self) -> bool:
-        return self._future.done()

@@ -191,8 +191,8 @@ class ByzantineCollective(Collective):
     def withdraw_ahead(self, key: GroupKey, round_: int) -> None:
         self.inner.withdraw_ahead(key, round_)
 
-    def end_epoch(self, key: GroupKey) -> None:
-        self.inner.end_epoch(key)
+    def end_epoch(self, key: GroupKey, round_: int | None = None) -> None:
+        self.inner.end_epoch(key, round_)
 
 
 class _Watched:

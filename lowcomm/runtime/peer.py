@@ -129,7 +129,8 @@ class TrainingPeer:
         max_weight = float(self.trainer.tokens_per_step * config.steps_per_sync)
         return ShardedReduce(ctx.signer, ctx.service, ctx.channels, ctx.traffic, agreement, config.sync,
                              algo.codec(config), algo.epoch_rounds(config), on_event=ctx.log.event,
-                             combiner=algo.combiner(config, shapes), max_weight=max_weight)
+                             combiner=algo.combiner(config, shapes), max_weight=max_weight,
+                             lag=int(algo.per_step and config.overlap))  # DeMo one step late
 
     def _fill_record(self, record: PeerRecord) -> None:
         record.throughput = self.progress.steps_done * self.trainer.tokens_per_step / max(self.trainer.compute_s, 1e-9)

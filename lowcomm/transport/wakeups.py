@@ -27,7 +27,7 @@ from lowcomm.transport.wire import Channels, Traffic, deadline_after
 
 logger = logging.getLogger(__name__)
 FALLBACK_POLL_S = 0.5  # how often a waiter reads the DHT when nobody wakes it
-MIN_READ_S = 0.02  # a waiter reads at most this often, however many wakes come
+MIN_READ_S = 0.05  # a waiter reads at most this often, however many wakes come (the old poll's rate)
 WAKE_TIMEOUT_S = 1.0  # one wake call; a peer that does not answer in time only loses the hint
 MAX_GROUP_CHARS = 256
 MAX_PENDING_WAKES = 256  # wakes queued to send at once; beyond that one is dropped (the poll covers it)

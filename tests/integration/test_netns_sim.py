@@ -24,8 +24,8 @@ H, ROUNDS = 5, 3
 # The control plane's budget per DHT node and second of the lab's life (start-up included): the stores (a
 # heartbeat every heartbeat_s, announcements, φ votes, the manifest, each to every replica), the reads,
 # which wakes end (transport.wakeups) instead of a 50 ms poll, and hivemind's upkeep. This run measured
-# 9.2-9.4 KB/s per node, and 13.7 with the 50 ms poll; the bound catches a regression that doubles it
-# (a poll loop, hivemind's cache refreshes), the agreement's own reads per round are bounded in
+# 9.2-9.4 KB/s per node, and 13.7 with the 50 ms poll; the bound catches a regression that multiplies
+# it (a tight poll loop, hivemind's cache refreshes), the agreement's own reads per round are bounded in
 # tests/unit/test_agreement_wakes.py.
 CONTROL_BYTES_PER_NODE_S = 20_000
 TEARDOWN_S = 30.0  # the lab counts until its nodes stop, after the last step
