@@ -186,8 +186,10 @@ class StagePeer:
         self.ctx.log.event("done" if self.final_round is not None else "stopped", round=self.round)
 
     def _await_final_evaluation(self) -> None:
-        """Keep serving until the evaluator scored the final model (its record says `complete`)."""
-        if self._is_evaluator():
+        """Keep serving until the evaluator scored the final model (its record says `complete`), or is gone:
+        it leaves once it scored, and its record with it, often before a look here saw `complete`."""
+        evaluator = min({r.peer_id for r in self._stage_records()} | {self.me})
+        if evaluator == self.me:
             if not self._final_scored:  # the final round was skipped (this loop was late): score it now
                 self._evaluate(self.round, True, self.config.pipeline.stage_wait_s)
             self.record.state = "complete"
@@ -195,9 +197,10 @@ class StagePeer:
             return
         deadline = time.monotonic() + self.config.pipeline.stage_wait_s
         while time.monotonic() < deadline and not self.ctx.stop.is_set():
-            records = self.ctx.control.live_peers().values()
-            if any(r.state == "complete" for r in records) or not any(r.state == "training" for r in records
-                                                                    if r.peer_id != self.me):
+            live = self.ctx.control.live_peers()
+            records = live.values()
+            if (any(r.state == "complete" for r in records) or evaluator not in live
+                    or not any(r.state == "training" for r in records if r.peer_id != self.me)):
                 return
             self.ctx.stop.wait(0.5)
         self.ctx.log.event("timeout", stage="final evaluation", round=self.round)
