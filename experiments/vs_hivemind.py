@@ -49,7 +49,7 @@ from experiments.sync_worker import touch, wait_for  # noqa: E402
 HIVEMIND_WORKER = REPO / "experiments" / "hivemind_worker.py"
 BOOT_WORKER = REPO / "experiments" / "sync_worker.py"
 LOWCOMM_ALGOS = ("ddp", "diloco", "sparseloco", "demo", "streaming-diloco", "noloco")
-OVERLAP = "-overlap"  # `diloco-overlap`, `sparseloco-overlap`: the algorithm with `simulate --overlap`
+OVERLAP = "-overlap"  # `diloco-overlap`, `sparseloco-overlap`, `demo-overlap`: the algorithm with `simulate --overlap`
 STARTUP_TIMEOUT_S = 600.0
 
 
@@ -255,9 +255,10 @@ def main() -> None:
     parser.add_argument("--rates", type=int, nargs="+", default=[100, 20], help="Mbit/s per peer, each way")
     parser.add_argument("--ddp-steps", type=int, default=300)
     parser.add_argument("--systems", nargs="+", default=["ddp", "diloco", "sparseloco", "demo", "hivemind"],
-                        choices=[*LOWCOMM_ALGOS, f"diloco{OVERLAP}", f"sparseloco{OVERLAP}", "hivemind"],
+                        choices=[*LOWCOMM_ALGOS, f"diloco{OVERLAP}", f"sparseloco{OVERLAP}", f"demo{OVERLAP}",
+                                 "hivemind"],
                         help=f"hivemind and lowcomm algorithms: {', '.join(LOWCOMM_ALGOS)}; "
-                             f"diloco{OVERLAP} and sparseloco{OVERLAP} add `simulate --overlap`")
+                             f"diloco{OVERLAP}, sparseloco{OVERLAP} and demo{OVERLAP} add `simulate --overlap`")
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--config", default=None, help="a lowcomm TOML for hivemind's workers (default: embedded)")
