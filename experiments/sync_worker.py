@@ -142,6 +142,7 @@ class LowcommWorker:
         from lowcomm.transport.wire import Channels, Traffic, start_server
 
         from lowcomm.transport.signing import Signer
+        from lowcomm.transport.wakeups import Wakes, WakeSender
 
         identity = Identity.generate()
         self.me = identity.peer_id
@@ -156,7 +157,9 @@ class LowcommWorker:
         self.endpoint = f"{args.host}:{port}"
         # "training" at round 0 makes every worker due in every round, so agreement waits for all N
         self.record = PeerRecord(self.me, self.endpoint, "training", "cpu", round=0)
-        agreement = ManifestAgreement(self.control, self.sync, self.endpoint)
+        # as a training peer's (runtime.context): waits end on wakes (transport.wakeups), else a 0.5 s poll
+        wakes = Wakes(service.wakeups, WakeSender(self.channels, self.traffic))
+        agreement = ManifestAgreement(self.control, self.sync, self.endpoint, wakes=wakes)
         self.collective = self.make_collective(args, service, agreement)
         self.key = GroupKey("sync")
         self._stop = threading.Event()
