@@ -44,8 +44,8 @@ import sys
 import time
 from pathlib import Path
 
-from revisions import imported_from, in_tree, round_records, tree_env, worktree  # beside this script
-from simulate_launch import run_simulate, save_table  # (its folder is on sys.path)
+from revisions import fresh_run_dir, imported_from, in_tree, round_records, tree_commit, tree_env, worktree
+from simulate_launch import run_simulate, save_table  # beside this script (its folder is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]  # not put on sys.path: each revision's lowcomm is imported from its worktree
 
@@ -76,10 +76,7 @@ def planned_rows(args) -> list[tuple[str, str, int]]:
 
 def run_row(payload: str, variant: str, rep: int, tree: Path, args) -> dict:
     name = row_name(payload, variant, rep, args)
-    run_dir = args.out / "runs" / name
-    if run_dir.exists():  # a killed row's leftovers: start it over
-        subprocess.run(["rm", "-rf", str(run_dir)], check=True)
-    run_dir.mkdir(parents=True)
+    run_dir = fresh_run_dir(args.out, name)
     overrides, rounds, inner = PAYLOADS[payload]
     overrides = overrides | {"run.steps": rounds * inner, "diloco.inner_steps": inner, "run.seed": args.seed}
     config_path = run_dir / "config.json"
@@ -92,8 +89,7 @@ def run_row(payload: str, variant: str, rep: int, tree: Path, args) -> dict:
     t0 = time.time()
     rc = run_simulate(cmd, tree, run_dir / "simulate.log", args.timeout_s, env=tree_env(tree))
     out = {"row": name, "payload": payload, "variant": variant, "rep": rep, "rev": getattr(args, variant),
-           "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=tree, capture_output=True,
-                                    text=True).stdout.strip(),
+           "commit": tree_commit(tree),
            "lowcomm_file": imported_from(tree), "peers": args.peers, "seed": args.seed, "rounds_planned": rounds,
            "inner_steps": inner, "rc": rc, "row_wall_s": time.time() - t0, "report": str(report_path),
            "command": " ".join(cmd[1:])}
@@ -159,9 +155,7 @@ def run_micro(tree: Path, args, part_sizes: list[int]) -> dict:
     done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--micro", "--micro-sizes",
                            *map(str, part_sizes), "--micro-calls", str(args.micro_calls)], cwd=tree,
                           env=tree_env(tree), check=True, capture_output=True, text=True)
-    return json.loads(done.stdout) | {"commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=tree,
-                                                               capture_output=True, text=True).stdout.strip(),
-                                      "lowcomm_file": imported_from(tree)}
+    return json.loads(done.stdout) | {"commit": tree_commit(tree), "lowcomm_file": imported_from(tree)}
 
 
 # ---- the table -------------------------------------------------------------------------------------

@@ -35,8 +35,8 @@ import sys
 import time
 from pathlib import Path
 
-from revisions import imported_from, round_records, tree_env, worktree  # beside this script
-from simulate_launch import run_simulate, save_table  # (its folder is on sys.path)
+from revisions import fresh_run_dir, imported_from, round_records, tree_commit, tree_env, worktree
+from simulate_launch import run_simulate, save_table  # beside this script (its folder is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_REVISIONS = ["polling=42d939f", "wakes=HEAD", "replica-reads=5840d0c"]
@@ -67,18 +67,15 @@ def planned_rows(args) -> list[tuple[str, str, int]]:
 
 def run_row(algo: str, name: str, rep: int, tree: Path, args) -> dict:
     row = row_name(algo, name, rep, args)
-    run_dir = args.out / "runs" / row
-    if run_dir.exists():  # a killed row's leftovers: start it over
-        subprocess.run(["rm", "-rf", str(run_dir)], check=True)
-    run_dir.mkdir(parents=True)
+    run_dir = fresh_run_dir(args.out, row)
     report_path = run_dir / "report.json"
     cmd = [sys.executable, "-m", "lowcomm.cli", "simulate", "--netns", "--link", args.link, "--algo", algo,
            "--peers", str(args.peers), "--steps", str(args.steps), "--seed", str(args.seed),
            "--report", str(report_path), "--run-dir", str(run_dir / "run")]
     t0 = time.time()
     rc = run_simulate(cmd, tree, run_dir / "simulate.log", args.timeout_s, env=tree_env(tree))
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tree, capture_output=True, text=True).stdout.strip()
-    out = {"row": row, "algo": algo, "revision": name, "rev": args.revisions[name], "commit": commit, "rep": rep,
+    out = {"row": row, "algo": algo, "revision": name, "rev": args.revisions[name], "commit": tree_commit(tree),
+           "rep": rep,
            "lowcomm_file": imported_from(tree), "peers": args.peers, "steps": args.steps, "link": args.link,
            "seed": args.seed, "rc": rc, "row_wall_s": time.time() - t0, "command": " ".join(cmd[1:])}
     if report_path.exists():

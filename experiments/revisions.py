@@ -51,6 +51,20 @@ def imported_from(tree: Path) -> str:
     return where
 
 
+def tree_commit(tree: Path) -> str:
+    """The commit a worktree has checked out."""
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=tree, capture_output=True, text=True).stdout.strip()
+
+
+def fresh_run_dir(out: Path, row: str) -> Path:
+    """OUT/runs/ROW, empty: a killed row's leftovers are removed and the row starts over."""
+    run_dir = out / "runs" / row
+    if run_dir.exists():
+        subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+    run_dir.mkdir(parents=True)
+    return run_dir
+
+
 def round_records(run_dir: Path) -> list[dict]:
     """Every `round` record of the peers' JSONL files under the run dir."""
     records = []
