@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from lowcomm import __version__
 from lowcomm.config import ALGOS, ConfigError, load_config
 from lowcomm.runtime.options import PeerOptions, peer_options, read_profile
 
@@ -27,7 +28,7 @@ def _add_coordinator(sub) -> None:
     start.add_argument("--dht-host", help="address the DHT (p2pd) listens on (default: --host)")
     start.add_argument("--announce-addr", metavar="HOST[:PORT]", help="the address peers dial, for both planes "
                        "(behind NAT with forwarded ports, or a proxy); PORT is the data plane's")
-    start.add_argument("--dashboard-port", type=int, default=None, help="reserved for the status page (not yet served)")
+    _add_dashboard(start)
     start.add_argument("--run-dir", type=Path, default=Path("runs/coordinator"),
                        help="where the coordinator keeps its key and checkpoints")
     start.add_argument("--resume", type=Path, help="restart the swarm from a checkpoint folder")
@@ -39,6 +40,23 @@ def _add_coordinator(sub) -> None:
     token.add_argument("--config", type=Path, help="the run config the coordinator runs (its run.name); default: the "
                        "embedded default run")
     token.add_argument("--valid-days", type=float, default=30.0, help="how long the token admits the peer (default: 30)")
+
+
+def _add_dashboard(parser) -> None:
+    parser.add_argument("--dashboard-port", type=int, default=None, metavar="P", help="serve the run's status page "
+                        "at http://HOST:P/, its JSON at /api/status and Prometheus metrics at /metrics (default: none)")
+    parser.add_argument("--dashboard-host", default="127.0.0.1", metavar="HOST", help="where the status page "
+                        "listens (default: 127.0.0.1, this machine only; 0.0.0.0 for every interface)")
+
+
+def _add_observe(sub) -> None:
+    observe = sub.add_parser("observe", help="watch a run from anywhere: the status page and /metrics, read from "
+                             "the DHT (a read-only node that trains nothing)")
+    observe.add_argument("--coordinator", required=True, action="append", metavar="MULTIADDR",
+                         help="multiaddr of the coordinator or any peer (repeat it for several)")
+    observe.add_argument("--run", default="lowcomm-default", help="run name, from the join command")
+    _add_dashboard(observe)
+    observe.set_defaults(dashboard_port=8080)
 
 
 def _add_peer(sub) -> None:
@@ -86,6 +104,10 @@ def _add_peer(sub) -> None:
     join.add_argument("--key-file", type=Path, metavar="PATH", help="this peer's key, made there if missing: a stable "
                       "peer id, which allowlist and token runs need (default: a new key and id at every start)")
     join.add_argument("--token", help="token runs: the join token the run owner printed for this peer's id")
+    join.add_argument("--metrics-port", type=int, metavar="P", help="serve this peer's Prometheus metrics at "
+                      "http://METRICS_HOST:P/metrics (default: not served; 0: any free port)")
+    join.add_argument("--metrics-host", metavar="HOST", help=f"where /metrics listens (default: "
+                      f"{default['metrics_host']}; 0.0.0.0 for a scraper on another machine)")
     join.add_argument("--join-unadmitted", action="store_const", const=True, help=argparse.SUPPRESS)  # a test hook
     ident = peer.add_parser("id", help="print this peer's id (from its key file, made if missing), for the run owner")
     ident.add_argument("--key-file", type=Path, required=True, metavar="PATH", help="the key file to pass to peer join")
@@ -152,11 +174,13 @@ def _add_export(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lowcomm", description="Low-communication decentralized training.")
     parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("--version", action="version", version=f"lowcomm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_coordinator(sub)
     _add_peer(sub)
     _add_simulate(sub)
     _add_status(sub)
+    _add_observe(sub)
     _add_export(sub)
     return parser
 
@@ -169,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         actions = {("coordinator", "token"): coordinator_token, ("peer", "id"): peer_id}
         return actions.get((args.command, getattr(args, "action", None)), {
             "coordinator": coordinator_start, "peer": peer_join, "simulate": simulate, "status": status,
-            "export": export}[args.command])(args)
+            "observe": observe, "export": export}[args.command])(args)
     except ConfigError as e:
         print(f"lowcomm: {e}", file=sys.stderr)
         return 2

@@ -63,6 +63,8 @@ class PeerOptions:
     slowdown_file: Path | None = None  # emulation: a file whose number, once it exists, replaces `slowdown`
     key_file: Path | None = None  # this peer's key, made there if missing (None: a fresh key, a new id every start)
     token: str | None = None  # token runs: the coordinator's join token for this peer's id (runtime.admission)
+    metrics_port: int | None = None  # serve Prometheus /metrics on this port (None: not served; 0: any free one)
+    metrics_host: str = "127.0.0.1"  # where /metrics listens (0.0.0.0 for a scraper on another machine)
     join_unadmitted: bool = False  # a test hook: join a run that does not admit this peer (the others refuse it)
 
 
@@ -106,6 +108,8 @@ def check(o: PeerOptions) -> None:
              "an IP address or a hostname (no scheme, no port, no spaces)"),
             ("port", 0 <= o.port <= 65535, "in [0, 65535] (0: any free port)"),
             ("dht_port", 0 <= o.dht_port <= 65535, "in [0, 65535] (0: any free port)"),
+            ("metrics_port", o.metrics_port is None or 0 <= o.metrics_port <= 65535, "in [0, 65535] (0: any free port)"),
+            ("metrics_host", is_host(o.metrics_host), "an IP address or a hostname (no scheme, no port, no spaces)"),
             ("announce_addr", o.announce_addr is None or _announce_ok(o.announce_addr),
              "HOST or HOST:PORT, an address the other machines can dial"),
             ("num_shards", o.num_shards >= 1, ">= 1"),
