@@ -5,8 +5,9 @@ model in this process, `lowcomm.join(...)` joins a real run with it. It is loade
 `import lowcomm` stays light.
 """
 
-__version__ = "0.1.0"
-__all__ = ["Joined", "Trained", "join", "run_config", "train"]
+from lowcomm.version import __version__
+
+__all__ = ["__version__", "Joined", "Trained", "join", "run_config", "train"]
 
 
 def __getattr__(name: str):

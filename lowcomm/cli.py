@@ -7,10 +7,9 @@ import dataclasses
 import json
 import logging
 import sys
-import time
 from pathlib import Path
 
-from lowcomm import __version__
+from lowcomm.version import __version__
 from lowcomm.config import ALGOS, ConfigError, load_config
 from lowcomm.runtime.options import PeerOptions, peer_options, read_profile
 
@@ -156,6 +155,7 @@ def _add_simulate(sub) -> None:
                           help="Linux, root: each process in its own network namespace; the RATE of --link "
                                "becomes a kernel htb cap on every byte (DHT included), LATENCY stays in lowcomm's "
                                "shaper; the report adds wire_bytes and control_bytes (overrides link.netns)")
+    _add_dashboard(simulate)
 
 
 def _add_status(sub) -> None:
@@ -220,8 +220,38 @@ def coordinator_start(args) -> int:
     print(f"coordinator of run {info['run']} is up (config {info['config_hash']}"
           + (f", resumed at round {info['resumed_round']}" if info["resumed_round"] is not None else "") + ")")
     print("peers join with:\n  " + info["join_command"], flush=True)
-    coordinator.serve_forever()
+    page = _status_page(args, lambda page: page.for_dht(coordinator.control, config.run.name, args.dashboard_host,
+                                                        args.dashboard_port))
+    try:
+        coordinator.serve_forever()
+    finally:
+        if page is not None:
+            page.close()
     return 0
+
+
+def _status_page(args, start):
+    """The status page `start(StatusPage)` opens, if --dashboard-port was given; its URL printed."""
+    if args.dashboard_port is None:
+        return None
+    from lowcomm.runtime.dashboard import StatusPage
+
+    try:
+        page = start(StatusPage)
+    except OSError as e:
+        raise ConfigError(f"--dashboard-port: {e}") from None
+    print(f"status page at {page.url} (JSON at {page.url}api/status, Prometheus at {page.url}metrics)",
+          file=sys.stderr, flush=True)
+    return page
+
+
+def observe(args) -> int:
+    from lowcomm.runtime.preflight import check_multiaddrs
+    from lowcomm.runtime.watch import observe_until_stopped
+
+    check_multiaddrs(args.coordinator)
+    return observe_until_stopped(args.coordinator, args.run, lambda control: _status_page(
+        args, lambda page: page.for_dht(control, args.run, args.dashboard_host, args.dashboard_port)))
 
 
 def coordinator_token(args) -> int:
@@ -306,6 +336,8 @@ def simulate(args) -> int:
              if byzantine else "")
     print(f"simulating {args.peers} peers{stages}, algo {config.run.algo}, {config.run.steps} steps each, "
           f"links {', '.join(links)}{mode}{churn}{liars}; records in {run_dir}", file=sys.stderr)
+    page = _status_page(args, lambda page: page.for_records(run_dir, config.run.name, args.dashboard_host,
+                                                            args.dashboard_port))
     try:
         report = Simulation(config, args.peers, run_dir, byzantine=byzantine, resume=args.resume,
                             peer_flags=peer_flags).run()
@@ -315,6 +347,9 @@ def simulate(args) -> int:
     except (SimulationError, NetnsError) as e:
         print(f"lowcomm: simulation failed: {e}", file=sys.stderr)
         return 1
+    finally:
+        if page is not None:
+            page.close()
     args.report.parent.mkdir(parents=True, exist_ok=True)
     args.report.write_text(json.dumps(report, indent=1))
     honest = " (honest peers)" if report.get("byzantine") else ""
@@ -347,35 +382,10 @@ def export(args) -> int:
 
 def status(args) -> int:
     from lowcomm.runtime.preflight import check_multiaddrs
-    from lowcomm.transport.control import ControlPlane
-    from lowcomm.transport.identity import Identity
+    from lowcomm.runtime.watch import print_status
 
     check_multiaddrs(args.coordinator)
-    control = ControlPlane.start(Identity.generate(), args.run, initial_peers=args.coordinator)
-    try:
-        peers = control.live_peers()
-        now = time.time()
-        print(f"run {args.run}: {len(peers)} live records")
-        if not peers:
-            others = [run for run in control.runs_seen() if run != args.run]
-            seen = f"runs this DHT holds: {', '.join(others)}" if others else "this DHT lists no run"
-            print(f"no peer or coordinator of run {args.run!r} is live ({seen}); pass --run with the join "
-                  "command's --run")
-            return 1
-        print(f"{'peer':22} {'state':12} {'round':>6} {'step':>7} {'loss':>8} {'tok/s':>9} {'age':>5}  endpoint")
-        for p in sorted(peers.values(), key=lambda r: r.peer_id):
-            loss = f"{p.loss:.4f}{'*' if p.loss_kind == 'train' else ' '}" if p.loss >= 0 else "n/a "
-            print(f"{p.peer_id:22} {p.state:12} {p.round:>6} {p.step:>7} {loss:>8} {p.throughput:>9.0f} "
-                  f"{now - p.heartbeat:>4.0f}s  {p.endpoint}{' (client mode)' if p.client_mode else ''}")
-        if any(p.loss_kind == "train" for p in peers.values()):
-            print("loss: the latest held-out loss; * marks a training loss (no held-out evaluation yet)")
-        newest = max((p.round for p in peers.values()), default=0)
-        for round_ in range(max(0, newest - 2), newest + 1):
-            for writer, manifest in control.manifests("0-0", round_).items():
-                print(f"round {round_}: leader {writer}, {len(manifest['members'])} members")
-    finally:
-        control.shutdown()
-    return 0
+    return print_status(args.coordinator, args.run)
 
 
 if __name__ == "__main__":

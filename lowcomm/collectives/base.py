@@ -14,6 +14,8 @@ process, the same combiners minus gRPC, for unit tests).
 
 from __future__ import annotations
 
+import math
+
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,6 +60,11 @@ class RoundResult:
 
     def __iter__(self):  # allows `aggregate, contributors = handle.result(...)`
         return iter((self.aggregate, self.contributors))
+
+    def norm(self) -> float | None:
+        """The aggregate's L2 norm, for the round's record and status pages (None: not finite)."""
+        value = float(torch.linalg.vector_norm(self.aggregate.detach().float()))
+        return value if math.isfinite(value) else None
 
 
 class Handle(Protocol):

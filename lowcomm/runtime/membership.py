@@ -27,6 +27,7 @@ class Membership:
         self.ctx = ctx
         self.record = record
         record.token = ctx.options.token or ""  # token runs: every peer checks it before counting this one
+        record.link = str(ctx.options.link) if ctx.options.link is not None else ""
         self.fill = fill
         self.announced = -1  # the last round announced ahead of its start (withdrawn if the peer leaves)
         self._collective: Collective | None = None

@@ -285,7 +285,7 @@ class TrainingPeer:
             log.event("caught_up", round=round_, contributors=len(result.contributors))
         log.write("round", round=round_, t0=info["t0"], sync_s=info["sync_s"], bytes=info["bytes"],
                   participants=result.participants, contributors=result.contributors,
-                  phi_hash=self.replica.phi_hash(), tokens=tokens, tokens_global=p.tokens_global,
+                  phi_hash=self.replica.phi_hash(), norm=result.norm(), tokens=tokens, tokens_global=p.tokens_global,
                   leader=info.get("leader"), manifest_s=info.get("manifest_s"),
                   reduce_s=info.get("reduce_s", info.get("exchange_s")), **info.get("record", {}))
         p.eval_due(tokens, info.get("leader") == self.ctx.me)

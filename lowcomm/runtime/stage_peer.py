@@ -254,7 +254,8 @@ class StagePeer:
         self.state.publish_snapshot()
         self.ctx.log.write("round", round=round_, stage=self.stage, t0=t0, sync_s=time.time() - t0,
                            bytes=self.ctx.traffic.sent - bytes_before, participants=result.participants,
-                           contributors=result.contributors, phi_hash=self.state.algo.phi_hash(), tokens=weight,
+                           contributors=result.contributors, phi_hash=self.state.algo.phi_hash(), norm=result.norm(),
+                           tokens=weight,
                            leader=result.info.get("leader"), **result.info.get("record", {}))
         self._maybe_checkpoint(round_, result)
 

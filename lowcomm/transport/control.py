@@ -77,6 +77,9 @@ class PeerRecord:
     rollback_to: int = -1  # the restart baseline: every stage loads its checkpoint of this round ...
     rollback_at: int = -1  # ... before this round
     token: str = ""  # token runs: the coordinator's join token for this peer (transport.join_token)
+    link: str = ""  # its emulated or declared access link, e.g. "20mbit:80ms" ("": none)
+    # what it has done so far, for status pages (runtime.observer): numbers only, checked by clean_stats
+    stats: dict = field(default_factory=dict)
 
     @classmethod
     def from_value(cls, value: Any) -> "PeerRecord":
@@ -91,11 +94,53 @@ class PeerRecord:
         record.throughput, record.grad_norm, record.done_at = (float(record.throughput), float(record.grad_norm),
                                                                float(record.done_at))
         record.loss, record.loss_kind = float(record.loss), str(record.loss_kind)[:16]
+        record.state, record.stage_state = _short(record.state), _short(record.stage_state)
+        record.device, record.link = _short(record.device), _short(record.link)
+        record.stats = clean_stats(record.stats)
         if not isinstance(record.token, str) or len(record.token) > MAX_TOKEN_CHARS:
             raise ValueError("peer record's token is not a string of a join token's size")
         if not all(map(math.isfinite, (record.throughput, record.grad_norm, record.done_at, record.loss))):
             raise ValueError("peer record holds a non-finite number")
         return record
+
+
+STATS_NUMBERS = ("tokens", "steps", "sent", "received", "rejects", "resyncs", "contributed", "sync_s")
+LAST_ROUND_NUMBERS = ("round", "participants", "contributors", "bytes", "sync_s", "norm")
+MAX_PHI_CHARS = 64
+
+
+def _short(value: Any, limit: int = 64) -> str:
+    if not isinstance(value, str) or len(value) > limit or not value.isprintable():
+        raise ValueError("peer record holds a label that is not a short printable string")
+    return value
+
+
+def clean_stats(value: Any) -> dict:
+    """A peer record's `stats`: the known keys only, finite non-negative numbers, a short φ hash; a
+    ValueError for anything else (a record is a stranger's claim: it is shown, never trusted)."""
+    if not isinstance(value, dict):
+        raise ValueError("peer record's stats is not a dict")
+
+    def numbers(table: dict, names: tuple[str, ...]) -> dict:
+        out = {}
+        for name in names:
+            if name in table:
+                number = table[name]
+                if isinstance(number, bool) or not isinstance(number, (int, float)) \
+                        or not math.isfinite(number) or not 0 <= number < 1e18:
+                    raise ValueError(f"peer record's stats.{name} is not a finite non-negative number")
+                out[name] = number
+        return out
+
+    stats = numbers(value, STATS_NUMBERS)
+    last = value.get("last_round", {})
+    if not isinstance(last, dict):
+        raise ValueError("peer record's stats.last_round is not a dict")
+    if last:
+        stats["last_round"] = numbers(last, LAST_ROUND_NUMBERS)
+        phi = last.get("phi", "")
+        stats["last_round"]["phi"] = _short(phi, MAX_PHI_CHARS) if phi else ""
+    return stats
 
 
 class ControlPlane:
