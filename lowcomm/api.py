@@ -46,7 +46,7 @@ from lowcomm.algorithms.registry import REDUCE, NAMES, algorithm
 from lowcomm.config import ConfigError, RunConfig, default_config, load_config
 from lowcomm.data.corpus import Corpus, load_corpus
 from lowcomm.data.loader import Batch, LossFn
-from lowcomm.runtime.trainer import Trainer, config_data, config_model, config_tokens_per_step
+from lowcomm.runtime.trainer import Trainer, config_data, config_model, config_tokens_per_step, resolve_device
 
 ConfigLike = RunConfig | str | Path | Mapping[str, Any] | None
 # what `optimizer` may be: a function of the parameters returning a torch optimizer, or (optimizer,
@@ -121,7 +121,7 @@ def train(model: nn.Module | None = None, *, config: ConfigLike = None, peers: i
                         "e.g. optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3)")
     if batches is not None and not callable(batches):
         raise TypeError("batches must be a function batches(peer, peers) returning that peer's iterator of (x, y)")
-    device = torch.device(device)
+    device = resolve_device(device)  # auto, cpu, cuda or cuda:N; ConfigError where there is no such device
     heldout = None if heldout is None else list(heldout)  # every replica scores the same batches
     initial: list[float] = []
     corpus: list[Corpus] = []  # the [data] corpus, loaded (and checked) once for every replica

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import socket
 
-import torch
 from cryptography.hazmat.primitives.serialization import load_ssh_public_key
 from hivemind.utils.multiaddr import Multiaddr
 
 from lowcomm.config import ConfigError
 from lowcomm.runtime.checkpoint import CheckpointError, load_checkpoint
 from lowcomm.runtime.options import PeerOptions
+from lowcomm.runtime.trainer import resolve_device
 from lowcomm.transport.addresses import is_host, split_announce
 
 
@@ -38,14 +38,8 @@ def check_run_key(text: str) -> None:
 
 
 def check_device(device: str) -> None:
-    if not device.startswith("cuda"):
-        return
-    if not torch.cuda.is_available():
-        raise ConfigError(f"--device {device}: torch sees no CUDA device here; use --device cpu or auto")
-    index = int(device.partition(":")[2] or 0)
-    if index >= torch.cuda.device_count():
-        raise ConfigError(f"--device {device}: torch sees {torch.cuda.device_count()} CUDA device(s), "
-                          f"numbered from 0")
+    """The device the peer will train on exists here (runtime.trainer.resolve_device says how it is picked)."""
+    resolve_device(device)
 
 
 def check_port_free(host: str, port: int, flag: str = "--port") -> None:

@@ -20,17 +20,43 @@ import torch
 from torch import nn
 
 from lowcomm.algorithms.inner import InnerOptimizer, NonFiniteGradient
+from lowcomm.config import ConfigError
 from lowcomm.data.corpus import Corpus, load_corpus
 from lowcomm.data.loader import Batch, LossFn, TokenShard, evaluate, heldout_batches, logits_of, next_token_loss
 from lowcomm.models.factory import build_model
 
 
+def resolve_device(requested: str) -> torch.device:
+    """The device `--device REQUESTED` names, with its index: auto (the current CUDA device if torch sees
+    one, else the CPU), cpu, cuda (the current CUDA device) or cuda:N. ConfigError, one line saying what to
+    do, for anything torch cannot train on here. Reads torch's CUDA state only: nothing is set."""
+    text = str(requested).strip()
+    kind, colon, index = text.partition(":")
+    if text == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    elif not (text == "cpu" or kind == "cuda" and (not colon or index.isdigit())):
+        raise ConfigError(f"--device {text}: not a device; use auto, cpu, cuda or cuda:N")
+    if kind == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"--device {text}: torch sees no CUDA device here (torch {torch.__version__}, CUDA build "
+                          f"{torch.version.cuda or 'none'}); use --device cpu or auto")
+    count = torch.cuda.device_count()
+    n = int(index) if colon and index else torch.cuda.current_device()
+    if n >= count:
+        last = f"..cuda:{count - 1}" if count > 1 else ""
+        raise ConfigError(f"--device {text}: torch sees {count} CUDA device(s), numbered from 0; use --device "
+                          f"cuda:0{last} or cpu (CUDA_VISIBLE_DEVICES renumbers them)")
+    return torch.device("cuda", n)
+
+
 def pick_device(requested: str) -> torch.device:
-    if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda was asked for but torch sees no CUDA device; use --device cpu or auto")
-    return torch.device(requested)
+    """`resolve_device`, and a CUDA device made the process's current one, so that anything that uses
+    "the" CUDA device (an unindexed "cuda", torch.cuda.synchronize(), the caching allocator) means it."""
+    device = resolve_device(requested)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
 
 
 class Trainer:
@@ -85,7 +111,11 @@ class Trainer:
         self._account(t0)
 
     def _account(self, t0: float) -> None:
-        """Adds the computation begun at `t0` to compute_s, stretched `slowdown` times (a slower device)."""
+        """Adds the computation begun at `t0` to compute_s, stretched `slowdown` times (a slower device).
+        On CUDA it first waits for the kernels queued since: they are this computation's time, not the sync's
+        that would otherwise wait for them."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         if self.slowdown > 1:
             time.sleep((self.slowdown - 1) * (time.perf_counter() - t0))
         self.compute_s += time.perf_counter() - t0
