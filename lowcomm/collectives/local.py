@@ -206,7 +206,7 @@ class InProcessGroup:
     def _submit(self, index: int, key: GroupKey, round_: int, payload: torch.Tensor, weight: float):
         with self._lock:
             state = self._rounds.setdefault((key, round_), _InProcessRound(self.replicas))
-            state.payloads[index] = (payload.detach().to(torch.float32).clone(), float(weight))
+            state.payloads[index] = (payload.detach().to("cpu", torch.float32, copy=True), float(weight))
             if len(state.payloads) == state.expected:
                 total = sum(w for _, w in state.payloads.values())
                 mean = sum(p * (w / total) for p, w in state.payloads.values())

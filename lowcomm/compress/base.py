@@ -92,7 +92,7 @@ class Codec(abc.ABC):
 
     # ------------------------------------------------------------------ encode
     def encode(self, tensor: torch.Tensor) -> bytes:
-        """Encode ``tensor`` (any device, any real dtype) into one frame."""
+        """Encode ``tensor`` (any device, any real dtype) into one frame; the bytes are the same on every device."""
         tensor = self._check_encodable(tensor)
         dtype_code, payload = self._encode_payload(tensor)
         return self._frame(tuple(tensor.shape), dtype_code, payload)
@@ -108,7 +108,10 @@ class Codec(abc.ABC):
             raise ValueError(f"codec {self.name!r} does not encode complex tensors")
         if tensor.dim() > MAX_NDIM:
             raise ValueError(f"tensor has {tensor.dim()} dims; the wire format allows at most {MAX_NDIM}")
-        return tensor.detach()
+        # Every codec computes on the CPU copy, so the bytes do not depend on the device the tensor
+        # lives on: an accelerator's kernels (casts, DCT, top-k ties, reductions) round and order
+        # differently. The copy is exact; a CPU tensor is used as it is.
+        return tensor.detach().to("cpu")
 
     def _frame(self, shape: tuple[int, ...], dtype_code: WireDType, payload: bytes) -> bytes:
         body = _BODY_HEADER.pack(dtype_code, len(shape)) + struct.pack(f"<{len(shape)}Q", *shape) + payload
@@ -203,7 +206,7 @@ class Codec(abc.ABC):
     # ------------------------------------------------------------------ hooks
     @abc.abstractmethod
     def _encode_payload(self, tensor: torch.Tensor) -> tuple[WireDType, bytes]:
-        """Payload bytes for ``tensor`` (detached, any device), with the header's dtype code."""
+        """Payload bytes for ``tensor`` (detached, on the CPU), with the header's dtype code."""
 
     @abc.abstractmethod
     def _decode_payload(self, dtype_code: WireDType, shape: tuple[int, ...], payload: memoryview) -> torch.Tensor:

@@ -25,7 +25,7 @@ MAX_ELEMENTS = 1 << 26
 
 def encode_blockwise8(x: torch.Tensor) -> tuple[bytes, bytes]:
     """(int8 codes, float32 scales) of a floating tensor; refuses NaN or Inf."""
-    flat = x.detach().to("cpu", torch.float32).reshape(-1)
+    flat = x.detach().to("cpu").to(torch.float32).reshape(-1)  # computed on the CPU: the same bytes on any device
     if not torch.isfinite(flat).all():
         raise CodecError("blockwise8: the tensor holds NaN or Inf")
     blocks = -(-flat.numel() // BLOCK)

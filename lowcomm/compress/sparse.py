@@ -112,15 +112,17 @@ class SparseCodec(Codec):
         return self.encode_with_transmitted(x)[1]
 
     def encode_with_transmitted(self, x: torch.Tensor) -> tuple[bytes, torch.Tensor]:
-        """``(encode(x), transmitted(x))`` from one selection."""
+        """``(encode(x), transmitted(x))`` from one selection, computed on the CPU (the bytes do not
+        depend on ``x``'s device); ``transmitted`` is moved back to ``x``'s device."""
+        device = x.device
         x = self._check_encodable(x)
         blocking, local, selected = self._select(x)
         dtype_code, payload, wire = self._payload(blocking, local, selected)
-        kept = self._transmitted_values(selected, wire.to(selected.device).reshape(selected.shape))
-        coeffs = torch.zeros(blocking.num_blocks, blocking.block_len, device=x.device)
+        kept = self._transmitted_values(selected, wire.reshape(selected.shape))
+        coeffs = torch.zeros(blocking.num_blocks, blocking.block_len)
         coeffs.scatter_(1, local, kept)
         dense = blocking.from_blocks(self._inverse(coeffs, blocking))
-        return self._frame(tuple(x.shape), dtype_code, payload), dense
+        return self._frame(tuple(x.shape), dtype_code, payload), dense.to(device)
 
     def decode_sparse(self, blob: bytes) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
         """(flat indices int64, values float32, shape): the coordinates the sender kept.

@@ -29,8 +29,8 @@ def pack(x: torch.Tensor) -> wire_pb2.Activation:
 
 
 def pack_tokens(idx: torch.Tensor) -> wire_pb2.Activation:
-    return wire_pb2.Activation(shape=list(idx.shape), codes=idx.to(torch.int64).numpy().astype("<i8").tobytes(),
-                               tokens=True)
+    codes = idx.detach().to("cpu").to(torch.int64).numpy().astype("<i8").tobytes()  # token ids on any device
+    return wire_pb2.Activation(shape=list(idx.shape), codes=codes, tokens=True)
 
 
 def unpack(message: wire_pb2.Activation, max_elements: int) -> torch.Tensor:
