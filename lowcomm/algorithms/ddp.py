@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lowcomm.algorithms.base import PerStepReplica, SyncHooks
-from lowcomm.algorithms.state import tensors_hash
+from lowcomm.algorithms.state import optimizer_step, tensors_hash
 from lowcomm.collectives.base import Collective, GroupKey, RoundResult
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
@@ -64,7 +64,7 @@ class DataParallel(PerStepReplica):
                 step = float(tensors[f"adam.step.{name}"][0])
                 if step > 0:
                     self.optimizer.state[p] = {
-                        "step": torch.tensor(step),
+                        "step": optimizer_step(self.optimizer, p, step),
                         **{k: tensors[f"adam.{k}.{name}"].to(p.device, p.dtype).clone() for k in ADAM_KEYS}}
                 else:
                     self.optimizer.state.pop(p, None)

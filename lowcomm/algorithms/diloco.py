@@ -79,7 +79,8 @@ class DiLoCo(OuterReplica):
             for name, p in zip(self.names, self.phi):
                 p.copy_(tensors[f"phi.{name}"])
                 if self.config.outer_momentum > 0:
-                    self.outer.state[p]["momentum_buffer"] = tensors[f"momentum.{name}"].clone()
+                    momentum = tensors[f"momentum.{name}"]
+                    self.outer.state[p]["momentum_buffer"] = momentum.to(p.device, p.dtype, copy=True)
         self.load_phi_into_model()
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:

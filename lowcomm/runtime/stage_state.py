@@ -16,6 +16,7 @@ import torch
 
 from lowcomm.algorithms.base import ReplicaSpec
 from lowcomm.algorithms.registry import algorithm
+from lowcomm.algorithms.state import optimizer_step
 from lowcomm.collectives.base import GroupKey
 from lowcomm.collectives.sharded_reduce import ShardedReduce
 from lowcomm.pipeline.checkfree import LR_SCALE, rebuild_stage
@@ -247,6 +248,6 @@ def _load_adam(optimizer: torch.optim.Optimizer, module: StageModule, tensors: d
                step: int) -> None:
     """The inner AdamW's moments from a replica's state (its step count sets the bias correction)."""
     for name, p in module.named_parameters():
-        optimizer.state[p] = {"step": torch.tensor(float(step)),
+        optimizer.state[p] = {"step": optimizer_step(optimizer, p, step),
                               "exp_avg": tensors[f"adam.exp_avg.{name}"].to(p.device, copy=True),
                               "exp_avg_sq": tensors[f"adam.exp_avg_sq.{name}"].to(p.device, copy=True)}
