@@ -1,19 +1,30 @@
 """Per-peer JSONL records (rounds, evals, events, compute), appended and flushed as they happen,
-so a killed peer's work still counts in the simulation report."""
+so a killed peer's work still counts in the simulation report.
+
+Sinks (callables taking the record dict, such as runtime.peer_stats.PeerStats.observe) see every
+record after it is written, with or without a file. A sink that raises is logged once and never
+stops the record, the other sinks or the caller.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 
 class RunLog:
-    def __init__(self, path: Path | None, peer_id: str):
+    def __init__(self, path: Path | None, peer_id: str, sinks: list[Callable[[dict], None]] | None = None):
         self.peer_id = peer_id
         self.path = path
+        self.sinks = list(sinks or [])
+        self._failed: set[int] = set()  # ids of the sinks whose failure was logged
         self._lock = threading.Lock()
         self._file = None
         if path is not None:
@@ -28,6 +39,17 @@ class RunLog:
                 self._file.write(line + "\n")
                 self._file.flush()
                 os.fsync(self._file.fileno())
+        for sink in self.sinks:
+            self._feed(sink, record)
+
+    def _feed(self, sink: Callable[[dict], None], record: dict) -> None:
+        try:
+            sink(record)
+        except Exception:
+            if id(sink) not in self._failed:
+                self._failed.add(id(sink))
+                logger.exception("a run log sink failed on a %s record; its later failures are not logged",
+                                 record.get("type"))
 
     def event(self, kind: str, **fields) -> None:
         self.write("event", kind=kind, **fields)
