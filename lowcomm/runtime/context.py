@@ -1,10 +1,14 @@
 """What every peer process holds, whatever it trains: identity, control plane, gRPC service and server,
-channels, traffic counters, its run log, the fault plan and the stop event.
+channels, traffic counters, its run log and the stats summed from it, the fault plan and the stop event.
 
-    ctx = PeerContext(options)        # identity, log, traffic, faults; nothing opened yet
-    ctx.open()                        # DHT, the signed run config, the gRPC server, reachability
+    ctx = PeerContext(options)        # identity, log, stats, traffic, faults; nothing opened yet
+    ctx.open()                        # DHT, /metrics if asked, the signed run config, the gRPC server, reachability
     ...                               # a training peer or a stage peer runs on it
-    ctx.close()                       # the gRPC server (with its grace), channels, DHT; the exit record
+    ctx.close()                       # /metrics, the gRPC server (with its grace), channels, DHT; the exit record
+
+``ctx.stats`` (runtime.peer_stats.PeerStats) sees every record the peer writes; with
+``options.metrics_port`` set, runtime.metrics serves it as Prometheus series, and a `metrics` event
+records the URL (port 0 picks a free port: the event says which).
 
 SIGINT and SIGTERM set ``stop`` (the handler only marks, it never logs: it runs between two
 bytecodes of the main thread, maybe inside RunLog.write, whose lock it would wait on forever);
@@ -17,13 +21,17 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 import threading
 import time
 
 import torch
 
+from lowcomm.config import ConfigError
 from lowcomm.runtime.admission import Admission, load_key
 from lowcomm.runtime.faults import FaultPlan
+from lowcomm.runtime.metrics import PeerMetrics
+from lowcomm.runtime.peer_stats import PeerStats
 from lowcomm.runtime.reachability import decide, dial_back, explain, helpers
 from lowcomm.runtime.run_config import fetch_run_config
 from lowcomm.runtime.runlog import RunLog
@@ -57,7 +65,10 @@ class PeerContext:
         self.stop = threading.Event()
         self.stop_signal: tuple[str, float] | None = None  # (SIGTERM or SIGINT, when it came): a leave
         self.traffic = Traffic(LinkShaper(options.link) if options.link is not None else None)
-        self.log = RunLog(options.run_dir / "peers" / f"{self.me}.jsonl" if options.run_dir else None, self.me)
+        self.stats = PeerStats(self.me, self.traffic)  # what this peer has done, summed from its records
+        self.log = RunLog(options.run_dir / "peers" / f"{self.me}.jsonl" if options.run_dir else None, self.me,
+                          sinks=[self.stats.observe])
+        self.metrics: PeerMetrics | None = None  # the /metrics server, with --metrics-port
         self.control: ControlPlane | None = None
         self.server = None  # the gRPC server
         self.channels: Channels | None = None
@@ -73,6 +84,7 @@ class PeerContext:
         # only now: the DHT's child process, forked above, must keep the default SIGTERM and SIGINT, or a
         # signal to the whole process group (kill -- -PGID, systemd) leaves it running and the peer hung
         self.install_signal_handlers()
+        self._serve_metrics()
         self.config, _ = fetch_run_config(self.control, owner_marker_from_text(o.run_key))
         self.admission = self._admission()
         torch.set_num_threads(1)
@@ -87,6 +99,21 @@ class PeerContext:
         self.holder = StateHolder(o.run_name, sync.chunk_bytes)
         self.service.state_handler = self.holder.serve
         self.wake_sender = WakeSender(self.channels, self.traffic)
+
+    def _serve_metrics(self) -> None:
+        """Prometheus /metrics on --metrics-host:--metrics-port (runtime.metrics); its URL in a `metrics` event."""
+        o = self.options
+        if o.metrics_port is None:
+            return
+        metrics = PeerMetrics(self.stats, o.run_name, dht_calls=lambda: self.control.calls)
+        try:
+            metrics.serve(o.metrics_host, o.metrics_port)
+        except OSError as e:
+            raise ConfigError(f"--metrics-port: this peer cannot serve /metrics on {o.metrics_host}:{o.metrics_port} "
+                              f"({e.strerror or e}); pass another port, or 0 for any free one") from None
+        self.metrics = metrics
+        print(f"peer {self.me}: Prometheus metrics at {metrics.url}", file=sys.stderr, flush=True)
+        self.log.event("metrics", url=metrics.url)
 
     def wakes(self) -> Wakes:
         """What agreement waits on and wakes others with (transport.wakeups)."""
@@ -140,8 +167,8 @@ class PeerContext:
         stopped = False
         if self.wake_sender is not None:
             self.wake_sender.close()
-        for name, close in (("server", self._stop_server), ("channels", lambda: self.channels.close()),
-                            ("control", lambda: self.control.shutdown())):
+        for name, close in (("metrics", lambda: self.metrics.close()), ("server", self._stop_server),
+                            ("channels", lambda: self.channels.close()), ("control", lambda: self.control.shutdown())):
             try:
                 if getattr(self, name) is not None:
                     result = close()
