@@ -28,7 +28,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from lowcomm import __version__
+from lowcomm.version import __version__
 from lowcomm.runtime.peer_stats import PeerStats
 
 logger = logging.getLogger(__name__)

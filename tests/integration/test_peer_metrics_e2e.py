@@ -12,7 +12,7 @@ import urllib.request
 from children import events, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from lowcomm import __version__
+from lowcomm.version import __version__
 from lowcomm.config import default_config
 from lowcomm.runtime.sim import Simulation
 

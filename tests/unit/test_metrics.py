@@ -12,7 +12,7 @@ import pytest
 from children import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from lowcomm import __version__
+from lowcomm.version import __version__
 from lowcomm.runtime import metrics as metrics_module
 from lowcomm.runtime.metrics import MAX_CLIENTS, PeerMetrics, _Handler
 from lowcomm.runtime.peer_stats import PeerStats
