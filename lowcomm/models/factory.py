@@ -61,11 +61,13 @@ def load_factory(spec: str) -> Callable[[ModelConfig], nn.Module]:
 
 def build_model(config: ModelConfig, seed: int | None = None) -> nn.Module:
     """The run's model, the GPT or the factory's; with `seed`, built right after torch.manual_seed(seed) on
-    a fork of torch's RNG (CPU, and the CUDA devices already in use), which is put back afterwards."""
+    a fork of torch's RNG (CPU, and the current CUDA device once CUDA is in use), which is put back
+    afterwards. Only the current GPU's state is forked: a peer made its GPU current (runtime.trainer.
+    pick_device), and reading every GPU's state would set up CUDA on devices it never uses."""
     factory = load_factory(config.factory) if config.factory else GPT
     if seed is None:
         return _build(factory, config)
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         return _build(factory, config)

@@ -267,3 +267,25 @@ def test_a_stage_server_takes_the_wire_bytes_onto_its_device(device):
     assert all(t.device.type == device for t in server.phi.values())
     assert server.forward(wire_pb2.StageCall(stage=0, input=x, embed=True, use_phi=True)).status == \
         wire_pb2.StageReply.OK
+
+
+def test_the_seeded_model_forks_the_rng_of_the_current_gpu_only(monkeypatch):
+    """A peer on cuda:1 of a machine with 4 GPUs builds φ_0 forking the CPU's and cuda:1's RNG, not every GPU's."""
+    import contextlib
+
+    from lowcomm.models.factory import build_model
+
+    forked = []
+
+    @contextlib.contextmanager
+    def fork_rng(devices=None, **kwargs):
+        forked.append(list(devices))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.random, "fork_rng", fork_rng)
+    monkeypatch.setattr(torch, "manual_seed", lambda seed: None)  # the patched CUDA state has no generators
+    build_model(default_config().model, seed=0)
+    assert forked == [[1]]
