@@ -1,8 +1,9 @@
 """A peer's presence in the run: its DHT record, the heartbeat that refreshes it, announcing ahead, leaving.
 
 The record (transport.control.PeerRecord) says where the peer listens, what it does (`parked`,
-`joining`, `training`, `leaving`), its round, step and throughput; ``fill(record)`` (the owner's
-callback) refreshes the numbers before each publication. A record expires `sync.record_ttl_s`
+`joining`, `training`, `leaving`), its round, step and throughput, and the stats its records add up
+to (runtime.peer_stats); ``fill(record)`` (the owner's callback) refreshes the numbers before each
+publication. A record expires `sync.record_ttl_s`
 after its last heartbeat, so a killed peer vanishes by itself; a peer that leaves expires it at
 once and withdraws the round it announced ahead, so that round's leader need not wait for it.
 """
@@ -44,6 +45,7 @@ class Membership:
     def publish(self) -> None:
         try:
             self.fill(self.record)
+            self.record.stats = self.ctx.stats.summary()  # for status pages (runtime.observer)
             self.ctx.control.publish_peer(self.record, self.ctx.config.sync.record_ttl_s)
         except Exception as e:  # a heartbeat must never kill training
             logger.warning("heartbeat failed: %s", e)

@@ -184,7 +184,7 @@ class TrainingPeer:
                 log.write("compute", compute_s=self.trainer.compute_s, steps=p.steps_done,
                           sync_wait_s=self.loop_s["sync"], eval_s=self.loop_s["eval"],
                           tokens=p.steps_done * self.trainer.tokens_per_step, first_step_t=first_step_t,
-                          last_step_t=time.time(), bytes_sent=self.ctx.traffic.sent,
+                          last_step_t=time.time(), bytes_sent=self.ctx.traffic.sent, loss=self._train_loss,
                           checkpoint_bytes=self.ctx.traffic.checkpoint_sent)
         if not self.ctx.stop.is_set():
             self._finish()

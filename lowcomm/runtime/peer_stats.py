@@ -99,6 +99,9 @@ class PeerStats:
         self.last_round = {"round": round_, "participants": len(participants), "contributors": len(contributors),
                            "bytes": _count(r.get("bytes")) or 0, "sync_s": round(sync_s, 3),
                            "phi": str(r.get("phi_hash") or "")[:PHI_CHARS]}
+        norm = _number(r.get("norm"))
+        if norm is not None and norm >= 0:
+            self.last_round["norm"] = round(norm, 6)
 
     def _event(self, r: dict) -> None:
         kind = r.get("kind")
