@@ -1,30 +1,25 @@
 """The status page's HTTP server: `/` the page, `/api/status` its JSON (runtime.observer's
 RunView.snapshot), `/metrics` the same numbers as Prometheus series named `lowcomm_*`.
 
-Read-only and bounded: GET and HEAD only, at most `MAX_CLIENTS` connections served at once (more are
-closed unanswered), `CLIENT_TIMEOUT_S` for a client to send its request, http.server's own limits
-on the request line and headers. It listens on 127.0.0.1 unless told otherwise.
+Read-only and bounded (runtime.http_read): GET and HEAD only, at most `MAX_CLIENTS` connections served
+at once, deadlines per read and per connection. It listens on 127.0.0.1 unless told otherwise.
 """
 
 from __future__ import annotations
 
 import json
-import logging
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from pathlib import Path
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily
 
-from lowcomm.version import __version__
+from lowcomm.runtime.http_read import ReadOnlyServer
 from lowcomm.runtime.observer import DhtSource, Observer, RecordsSource, RunView
+from lowcomm.version import __version__
 
-logger = logging.getLogger(__name__)
 MAX_CLIENTS = 32
-CLIENT_TIMEOUT_S = 10.0
 
 
 class RunCollector:
@@ -102,96 +97,27 @@ def page() -> bytes:
     return resources.files("lowcomm.runtime").joinpath("status_page.html").read_bytes()
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-    def __init__(self, address, handler, view: RunView):
-        self.view = view
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(RunCollector(view))
-        self.page = page()
-        self.slots = threading.BoundedSemaphore(MAX_CLIENTS)
-        self.refused = 0
-        super().__init__(address, handler)
-
-    def process_request(self, request, client_address):
-        if not self.slots.acquire(blocking=False):  # a flood of connections: refused, nothing queued
-            self.refused += 1
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except Exception:
-            self.slots.release()
-            raise
-
-    def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.slots.release()
-
-
-class _Handler(BaseHTTPRequestHandler):
-    timeout = CLIENT_TIMEOUT_S
-    server: _Server
-    server_version = f"lowcomm/{__version__}"
-
-    def do_GET(self) -> None:
-        self._answer(body=True)
-
-    def do_HEAD(self) -> None:
-        self._answer(body=False)
-
-    def _answer(self, body: bool) -> None:
-        path = self.path.split("?", 1)[0]
-        if path in ("/", "/index.html"):
-            self._send(200, "text/html; charset=utf-8", self.server.page, body)
-        elif path == "/api/status":
-            self._send(200, "application/json", json.dumps(self.server.view.snapshot(), allow_nan=False).encode(), body)
-        elif path == "/metrics":
-            self._send(200, CONTENT_TYPE_LATEST, generate_latest(self.server.registry), body)
-        else:
-            self._send(404, "text/plain; charset=utf-8", b"not found: the page is at /, its JSON at /api/status, "
-                       b"metrics at /metrics\n", body)
-
-    def _send(self, code: int, kind: str, data: bytes, body: bool) -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(data)))
-        self.send_header("Cache-Control", "no-store")
-        self.end_headers()
-        if body:
-            self.wfile.write(data)
-
-    def log_message(self, format, *args) -> None:  # no line per request on the console
-        logger.debug("status page: " + format, *args)
-
-
 class Dashboard:
     """Serves `view` on host:port (0: a free port) in a daemon thread until `close()`."""
 
     def __init__(self, view: RunView, host: str = "127.0.0.1", port: int = 0):
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(RunCollector(view))
+        html = page()
+        routes = {"/": lambda: ("text/html; charset=utf-8", html),
+                  "/index.html": lambda: ("text/html; charset=utf-8", html),
+                  "/api/status": lambda: ("application/json", json.dumps(view.snapshot(), allow_nan=False).encode()),
+                  "/metrics": lambda: (CONTENT_TYPE_LATEST, generate_latest(registry))}
         try:
-            self.server = _Server((host, port), _Handler, view)
+            self.server = ReadOnlyServer(routes, host, port, MAX_CLIENTS, b"not found: the page is at /, its JSON "
+                                         b"at /api/status, metrics at /metrics\n", name="dashboard")
         except OSError as e:
             raise OSError(f"the status page cannot listen on {host}:{port} ({e.strerror or e}); pass another "
                           "--dashboard-port") from None
-        self.host, self.port = host, self.server.server_address[1]
-        self._thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.5},
-                                        daemon=True, name="dashboard")
-        self._thread.start()
-
-    @property
-    def url(self) -> str:
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
-        return f"http://{host}:{self.port}/"
+        self.view, self.port, self.url = view, self.server.port, self.server.url("/")
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self._thread.join(timeout=10)
+        self.server.close()
 
 
 class StatusPage:

@@ -101,3 +101,11 @@ def test_only_get_and_head_are_answered(served):
 def test_a_port_in_use_is_one_line_saying_what_to_do(served):
     with pytest.raises(OSError, match="pass another --dashboard-port"):
         Dashboard(RunView("r", "records"), "127.0.0.1", served.port)
+
+
+def test_a_route_that_fails_answers_500_and_the_server_goes_on(served, monkeypatch):
+    def broken():
+        raise RuntimeError("a bug")
+    monkeypatch.setattr(served.view, "snapshot", broken)
+    assert get(served.url + "api/status")[0] == 500
+    assert get(served.url)[0] == 200

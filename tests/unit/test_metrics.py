@@ -13,8 +13,9 @@ from children import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from lowcomm.version import __version__
-from lowcomm.runtime import metrics as metrics_module
-from lowcomm.runtime.metrics import MAX_CLIENTS, PeerMetrics, _Handler
+from lowcomm.runtime import http_read
+from lowcomm.runtime.http_read import _Handler
+from lowcomm.runtime.metrics import MAX_CLIENTS, PeerMetrics
 from lowcomm.runtime.peer_stats import PeerStats
 from lowcomm.runtime.runlog import RunLog
 from lowcomm.transport.wire import Traffic
@@ -130,7 +131,7 @@ def test_garbage_gets_an_error_and_the_server_answers_on(metrics):
 
 def test_a_flood_of_silent_clients_is_refused_and_the_slots_come_back(metrics, monkeypatch):
     monkeypatch.setattr(_Handler, "timeout", 600.0)  # the silent clients keep their slots until they go
-    monkeypatch.setattr(metrics_module, "CLIENT_DEADLINE_S", 600.0)
+    monkeypatch.setattr(http_read, "CLIENT_DEADLINE_S", 600.0)
     silent = [socket.create_connection(("127.0.0.1", metrics.port), timeout=TIMEOUT_S) for _ in range(MAX_CLIENTS)]
     try:
         with socket.create_connection(("127.0.0.1", metrics.port), timeout=TIMEOUT_S) as extra:
@@ -144,7 +145,7 @@ def test_a_flood_of_silent_clients_is_refused_and_the_slots_come_back(metrics, m
 
 def test_a_client_dripping_its_request_is_cut_off_at_the_deadline(metrics, monkeypatch):
     monkeypatch.setattr(_Handler, "timeout", 600.0)  # each read waits long: only the whole-connection deadline ends it
-    monkeypatch.setattr(metrics_module, "CLIENT_DEADLINE_S", 0.2)
+    monkeypatch.setattr(http_read, "CLIENT_DEADLINE_S", 0.2)
     with socket.create_connection(("127.0.0.1", metrics.port), timeout=TIMEOUT_S) as slow:
         slow.sendall(b"GET /met")
         assert slow.recv(100) == b""
