@@ -26,6 +26,7 @@ from lowcomm.transport.join_token import MAX_TOKEN_CHARS
 
 logger = logging.getLogger(__name__)
 DHT_CALL_S = 30.0  # the longest one store or get may take
+JOIN_ATTEMPTS, JOIN_RETRY_S = 3, 2.0  # joining through initial peers: tries, and the pause before the n-th retry × n
 RUNS_KEY = "lowcomm.runs"  # every coordinator's run name, so `status` can list the runs a DHT holds
 MAX_RUN_NAME = 128
 TOMBSTONE_MARGIN_S = 30.0  # how much longer than a record its tombstone lives
@@ -160,21 +161,24 @@ class ControlPlane:
         """A DHT node listening on `host:port` (0: a free port) that announces what others dial:
         `announce`'s host (HOST[:PORT], as --announce-addr), else `host`, else, for 0.0.0.0, this
         machine's primary address (transport.addresses)."""
-        try:
-            host_maddrs, announce_maddrs = dht_maddrs(host, port, announce)
-            dht = hivemind.DHT(
-                initial_peers=initial_peers or [],
-                host_maddrs=host_maddrs,
-                announce_maddrs=announce_maddrs,
-                record_validators=[identity.validator],
-                start=True,
-                **DHT_TRAFFIC,
-            )
-        except Exception as e:  # p2pd's and hivemind's own error types; the first line says what happened
-            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            where = f"through {', '.join(initial_peers)}" if initial_peers else f"on {host}:{port}"
-            raise DHTUnreachable(f"could not join the DHT {where} ({reason}); check that the address is the "
-                                 "coordinator's (or a peer's) and that its port is reachable from here") from e
+        attempts = JOIN_ATTEMPTS if initial_peers else 1
+        for attempt in range(1, attempts + 1):
+            try:
+                host_maddrs, announce_maddrs = dht_maddrs(host, port, announce)
+                dht = hivemind.DHT(initial_peers=initial_peers or [], host_maddrs=host_maddrs,
+                                   announce_maddrs=announce_maddrs, record_validators=[identity.validator],
+                                   start=True, **DHT_TRAFFIC)
+                break
+            except Exception as e:  # p2pd's and hivemind's own error types; the first line says what happened
+                reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                if attempt < attempts:  # a daemon slow to start on a loaded host, a bootstrap peer busy
+                    logger.warning("joining the DHT failed (%s); attempt %d of %d in %.0f s", reason, attempt + 1,
+                                   attempts, JOIN_RETRY_S * attempt)
+                    time.sleep(JOIN_RETRY_S * attempt)
+                    continue
+                where = f"through {', '.join(initial_peers)}" if initial_peers else f"on {host}:{port}"
+                raise DHTUnreachable(f"could not join the DHT {where} ({reason}); check that the address is the "
+                                     "coordinator's (or a peer's) and that its port is reachable from here") from e
         return cls(dht, identity, run)
 
     def visible_maddrs(self) -> list[str]:
