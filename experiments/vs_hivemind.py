@@ -44,7 +44,7 @@ from lowcomm.config import load_config  # noqa: E402
 from lowcomm.runtime.plots import compare_reports  # noqa: E402
 from lowcomm.transport.netns import NetnsLab  # noqa: E402
 
-from experiments.sync_worker import touch, wait_for  # noqa: E402
+from experiments.sync_worker import touch  # noqa: E402
 
 HIVEMIND_WORKER = REPO / "experiments" / "hivemind_worker.py"
 BOOT_WORKER = REPO / "experiments" / "sync_worker.py"
@@ -53,26 +53,26 @@ OVERLAP = "-overlap"  # `diloco-overlap`, `sparseloco-overlap`, `demo-overlap`: 
 STARTUP_TIMEOUT_S = 600.0
 
 
-def row_name(system: str, rate: int, steps: int, peers: int) -> str:
-    return f"{system}-{rate}mbit-{steps}-p{peers}"
+def row_name(system: str, rate: int, steps: int, peers: int, seed: int = 0) -> str:
+    return f"{system}-{rate}mbit-{steps}-p{peers}" + (f"-s{seed}" if seed else "")
 
 
 # ---- lowcomm rows ------------------------------------------------------------------------------
 
 def run_lowcomm(out: Path, algo: str, rate: int, steps: int, peers: int, seed: int) -> dict:
-    name = row_name(algo, rate, steps, peers)
+    name = row_name(algo, rate, steps, peers, seed)
     report_path = out / "runs" / f"{name}.report.json"
     base = algo.removesuffix(OVERLAP)
     cmd = [sys.executable, "-m", "lowcomm.cli", "simulate", "--peers", str(peers), "--algo", base,
            "--steps", str(steps), "--seed", str(seed), "--netns", "--link", f"{rate}mbit",
            "--report", str(report_path), "--run-dir", str(out / "runs" / name)]
     subprocess.run(cmd + (["--overlap"] if base != algo else []), check=True)
-    return lowcomm_row(out, report_path, algo, rate, steps, peers)
+    return lowcomm_row(out, report_path, algo, rate, steps, peers, seed)
 
 
-def lowcomm_row(out: Path, report_path: Path, algo: str, rate: int, steps: int, peers: int) -> dict:
+def lowcomm_row(out: Path, report_path: Path, algo: str, rate: int, steps: int, peers: int, seed: int = 0) -> dict:
     report = json.loads(report_path.read_text())
-    return {"system": f"lowcomm {algo}", "algo": algo, "rate_mbit": rate, "steps": steps, "peers": peers,
+    return {"system": f"lowcomm {algo}", "algo": algo, "rate_mbit": rate, "steps": steps, "peers": peers, "seed": seed,
             "final_loss": report["final_loss"], "tokens": report["tokens"], "wall_s": report["wall_s"],
             "compute_s": report["compute_s"], "wire_bytes": report["wire_bytes_peers"],
             # what the wire bytes hold besides the payloads: the DHT (p2pd) and the state the peers
@@ -199,32 +199,50 @@ def _split(row: dict) -> str:
     return f"{row['control_bytes'] / row['wire_bytes']:.0%}, {row['checkpoint_bytes'] / row['wire_bytes']:.0%}"
 
 
+def _mean(values: list) -> float | None:
+    """The mean of a cell's seeds; None if any seed missed (a mean of the ones that hit would flatter it)."""
+    return None if not values or any(v is None for v in values) else sum(values) / len(values)
+
+
+def _spread(values: list, spec: str) -> str:
+    return f" ({format(min(values), spec)}-{format(max(values), spec)})" if len(values) > 1 and None not in values else ""
+
+
 def table(rows: dict, peers: int) -> str:
-    lines = ["| link | system | steps/peer | final loss | time to ddp's loss s | wire bytes to it | speed-up vs ddp "
-             "| vs hivemind: time, bytes | wire bytes/token | of all wire bytes: DHT, checkpoints | compute util. "
-             "| wall s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    """One line per link and system; a system run with several seeds shows their mean (min-max)."""
+    lines = ["| link | system | seeds | steps/peer | final loss | time to ddp's loss s | wire bytes to it "
+             "| speed-up vs ddp | vs hivemind: time, bytes | wire bytes/token | of all wire bytes: DHT, checkpoints "
+             "| compute util. | wall s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     notes = []
     for rate in sorted({r["rate_mbit"] for r in rows.values()}, reverse=True):
-        at = [r for r in rows.values() if r["rate_mbit"] == rate]
-        ddp = next((r for r in at if r["algo"] == "ddp"), None)
-        hive = next((r for r in at if r["algo"] == "hivemind"), None)
+        groups: dict[str, list[dict]] = {}
+        for r in sorted((r for r in rows.values() if r["rate_mbit"] == rate), key=lambda r: r.get("seed", 0)):
+            groups.setdefault(r["algo"], []).append(r)
+        ddp = groups.get("ddp", [None])[0]
+        hive = groups.get("hivemind", [None])[0]
         target = ddp["final_loss"] if ddp else None
         hive_hit = to_target(hive, target) if hive and target is not None else None
-        for r in sorted(at, key=lambda r: (r["algo"] != "ddp", r["algo"] == "hivemind", r["algo"])):
-            hit = to_target(r, target) if target is not None else {"time_s": None, "bytes": None}
-            speed = ddp["wall_s"] / hit["time_s"] if ddp and hit["time_s"] else None
+        for algo in sorted(groups, key=lambda a: (a != "ddp", a == "hivemind", a)):
+            group = groups[algo]
+            hits = [to_target(r, target) if target is not None else {"time_s": None, "bytes": None} for r in group]
+            times, sent = [h["time_s"] for h in hits], [h["bytes"] for h in hits]
+            time_s, bytes_ = _mean(times), _mean(sent)
+            speed = ddp["wall_s"] / time_s if ddp and time_s else None
             vs_h = "n/a"
-            if hive_hit and hit["time_s"] and r is not hive and r is not ddp:
-                if hive_hit["time_s"]:
-                    vs_h = f"{hive_hit['time_s'] / hit['time_s']:.1f}x, {hive_hit['bytes'] / hit['bytes']:.1f}x"
-                else:
-                    vs_h = "hivemind did not reach it"
-            util = r["compute_s"] / (r["peers"] * r["wall_s"]) if r["wall_s"] else None
-            lines.append(f"| {rate} Mbit/s | {r['system']} | {r['steps']} | {r['final_loss']:.4f} | "
-                         f"{_fmt(hit['time_s'], '.0f')} | {_fmt(hit['bytes'] and hit['bytes'] / 1e6, '.1f', 'n/a', ' MB')} | "
-                         f"{_fmt(speed, '.2f', 'n/a', 'x')} | {vs_h} | {r['wire_bytes'] / r['tokens']:.1f} | {_split(r)} | "
-                         f"{_fmt(util, '.2f', 'n/a')} | {r['wall_s']:.0f} |")
+            if hive_hit and time_s and algo not in ("hivemind", "ddp"):
+                vs_h = (f"{hive_hit['time_s'] / time_s:.1f}x, {hive_hit['bytes'] / bytes_:.1f}x" if hive_hit["time_s"]
+                        else "hivemind did not reach it")
+            losses = [r["final_loss"] for r in group]
+            utils = [r["compute_s"] / (r["peers"] * r["wall_s"]) for r in group if r["wall_s"]]
+            per_token = _mean([r["wire_bytes"] / r["tokens"] for r in group])
+            r = group[0]
+            lines.append(f"| {rate} Mbit/s | {r['system']} | {','.join(str(g.get('seed', 0)) for g in group)} | "
+                         f"{r['steps']} | {_mean(losses):.4f}{_spread(losses, '.3f')} | "
+                         f"{_fmt(time_s, '.0f')}{_spread(times, '.0f')} | "
+                         f"{_fmt(bytes_ and bytes_ / 1e6, '.1f', 'n/a', ' MB')} | "
+                         f"{_fmt(speed, '.2f', 'n/a', 'x')} | {vs_h} | {per_token:.1f} | {_split(r)} | "
+                         f"{_fmt(_mean(utils), '.2f', 'n/a')} | {_mean([g['wall_s'] for g in group]):.0f} |")
         if ddp:
             per_step = ddp["wall_s"] / ddp["steps"]
             compute = ddp["compute_s"] / (ddp["peers"] * ddp["steps"])
@@ -240,7 +258,7 @@ def plot(rows: dict, out: Path) -> list[Path]:
     for rate in sorted({r["rate_mbit"] for r in rows.values()}):
         reports = {}
         for r in rows.values():
-            if r["rate_mbit"] != rate:
+            if r["rate_mbit"] != rate or r.get("seed", 0):  # one curve per system: seed 0's
                 continue
             evals = [{**e, "bytes": bytes_at(r["wire_timeline"], e["t"]) or r["wire_bytes"]}
                      for e in r["evals"] if not e.get("final")]
@@ -260,18 +278,21 @@ def main() -> None:
                         help=f"hivemind and lowcomm algorithms: {', '.join(LOWCOMM_ALGOS)}; "
                              f"diloco{OVERLAP}, sparseloco{OVERLAP} and demo{OVERLAP} add `simulate --overlap`")
     parser.add_argument("--peers", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds of the --seeded systems")
+    parser.add_argument("--seeded", nargs="+", default=["diloco", "sparseloco"],
+                        help="systems run with every --seeds seed (the others with the first seed only)")
     parser.add_argument("--config", default=None, help="a lowcomm TOML for hivemind's workers (default: embedded)")
     parser.add_argument("--out", type=Path, default=Path("experiments/out/vs_hivemind"))
     parser.add_argument("--table-only", action="store_true")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     load_config(args.config)  # a bad config fails here, before any namespace
-    cells = [(s, r) for r in args.rates for s in ["ddp"] + [s for s in args.systems if s != "ddp"]]
+    cells = [(s, r, seed) for r in args.rates for s in ["ddp"] + [s for s in args.systems if s != "ddp"]
+             for seed in (args.seeds if s in args.seeded else args.seeds[:1])]
     started, ran = time.time(), 0
-    for i, (system, rate) in enumerate(cells):
+    for i, (system, rate, seed) in enumerate(cells):
         steps = args.ddp_steps if system == "ddp" else 2 * args.ddp_steps
-        name = row_name(system, rate, steps, args.peers)
+        name = row_name(system, rate, steps, args.peers, seed)
         path = args.out / f"{name}.json"
         if not path.exists() and not args.table_only:
             t0 = time.time()
@@ -279,11 +300,11 @@ def main() -> None:
             if system == "hivemind":
                 row = run_hivemind(args.out, rate, steps, args.peers, args.config)
             else:
-                row = run_lowcomm(args.out, system, rate, steps, args.peers, args.seed)
+                row = run_lowcomm(args.out, system, rate, steps, args.peers, seed)
             path.write_text(json.dumps(row, indent=1))
             ran += 1
-            left = sum(1 for s, r in cells[i + 1:]
-                       if not (args.out / f"{row_name(s, r, args.ddp_steps if s == 'ddp' else 2 * args.ddp_steps, args.peers)}.json").exists())
+            left = sum(1 for s, r, sd in cells[i + 1:]
+                       if not (args.out / f"{row_name(s, r, args.ddp_steps if s == 'ddp' else 2 * args.ddp_steps, args.peers, sd)}.json").exists())
             eta = (time.time() - started) / ran * left
             print(f"[{i + 1}/{len(cells)}] {name}: loss {row['final_loss']:.4f}, {time.time() - t0:.0f}s; "
                   f"ETA {eta / 60:.0f} min for {left} rows", flush=True)
@@ -291,7 +312,7 @@ def main() -> None:
             row = json.loads(path.read_text())
             report = args.out / row.get("report", "-")
             if system != "hivemind" and "control_bytes" not in row and report.exists():
-                row = lowcomm_row(args.out, report, system, rate, steps, args.peers)  # rows from before the split
+                row = lowcomm_row(args.out, report, system, rate, steps, args.peers, seed)  # rows from before the split
                 path.write_text(json.dumps(row, indent=1))
         write_outputs(args.out, args.peers)
     print(write_outputs(args.out, args.peers))
@@ -299,7 +320,8 @@ def main() -> None:
 
 def write_outputs(out: Path, peers: int) -> str:
     """table.md, results.json and the plots from every row under OUT (this run's and earlier ones)."""
-    every = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob(f"*-p{peers}.json"))}
+    every = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob(f"*-p{peers}.json"))
+             + sorted(out.glob(f"*-p{peers}-s*.json"))}
     text = table(every, peers)
     (out / "table.md").write_text(text)
     (out / "results.json").write_text(json.dumps(every, indent=1))
