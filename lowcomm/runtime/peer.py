@@ -35,7 +35,7 @@ from lowcomm.runtime.membership import Membership
 from lowcomm.runtime.options import PeerOptions
 from lowcomm.runtime.progress import Progress
 from lowcomm.runtime.state_sync import StateSync
-from lowcomm.runtime.trainer import LocalTrainer, Trainer, pick_device
+from lowcomm.runtime.trainer import LocalTrainer, Trainer, device_label, pick_device
 from lowcomm.transport.control import PeerRecord
 
 __all__ = ["Peer", "PeerOptions", "TrainingPeer"]
@@ -87,7 +87,8 @@ class TrainingPeer:
         ctx.compute_seconds = lambda: self.trainer.compute_s
         self.progress = Progress()
         # a parked peer is connected but not in the run yet: no round waits for it
-        record = PeerRecord(ctx.me, ctx.endpoint, "parked" if o.start_file is not None else "joining", device.type,
+        record = PeerRecord(ctx.me, ctx.endpoint, "parked" if o.start_file is not None else "joining",
+                            device_label(device),
                             client_mode=ctx.client_mode)
         self.membership = Membership(ctx, record, fill=self._fill_record)
         self.key = GroupKey(o.run_name)
@@ -116,7 +117,7 @@ class TrainingPeer:
         self.console = Console()
         self._train_loss: float | None = None
         ctx.log.event("start", endpoint=ctx.endpoint, client_mode=ctx.client_mode, algo=config.run.algo,
-                      device=device.type, config_hash=config.config_hash(), data_shard=shard,
+                      device=device_label(device), config_hash=config.config_hash(), data_shard=shard,
                       link=str(o.link) if o.link is not None else None, byzantine=o.byzantine)
 
     def _collective(self, agreement: ManifestAgreement):

@@ -45,7 +45,7 @@ from lowcomm.runtime.stage_guard import StageCallGuard
 from lowcomm.runtime.stage_checkpoints import StageCheckpoints
 from lowcomm.runtime.stage_moves import StageMoves
 from lowcomm.runtime.stage_state import StageState
-from lowcomm.runtime.trainer import pick_device
+from lowcomm.runtime.trainer import device_label, pick_device
 from lowcomm.transport.control import PeerRecord
 
 logger = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class StagePeer:
                                                  cfg.sync.heartbeat_s, ctx.log.event, ctx.admission.admits)
         ctx.compute_seconds = lambda: self.server.compute_s
         record = PeerRecord(self.me, ctx.endpoint, "parked" if o.start_file is not None else "joining",
-                            self.device.type, client_mode=ctx.client_mode)
+                            device_label(self.device), client_mode=ctx.client_mode)
         self.membership = Membership(ctx, record, fill=self._fill_record)
         self.record = record
         checkpoints = StageCheckpoints((o.run_dir or Path(".")) / "stage-checkpoints", self.stages)
@@ -96,7 +96,7 @@ class StagePeer:
                              ctx.channels, ctx.traffic, self._directory, lambda: self.server, cfg.pipeline.hop_timeout_s,
                              cfg.pipeline.stage_wait_s, cfg.sync.heartbeat_s, ctx.log.event, ctx.stop)
         ctx.log.event("start", endpoint=ctx.endpoint, client_mode=ctx.client_mode, algo=cfg.run.algo,
-                      device=self.device.type, config_hash=cfg.config_hash(), data_shard=shard, stages=self.stages,
+                      device=device_label(self.device), config_hash=cfg.config_hash(), data_shard=shard, stages=self.stages,
                       slowdown=self.slowdown, link=str(o.link) if o.link is not None else None)
 
     @property

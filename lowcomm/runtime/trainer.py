@@ -59,6 +59,14 @@ def pick_device(requested: str) -> torch.device:
     return device
 
 
+def device_label(device: torch.device) -> str:
+    """What a peer says it trains on, in its record, its start event and on the status page: `cpu`, or
+    `cuda:N` and the GPU's name."""
+    if device.type != "cuda":
+        return device.type
+    return f"{device} {torch.cuda.get_device_name(device)}"[:64]
+
+
 class Trainer:
     def __init__(self, model: nn.Module, inner, batches: Iterator[Batch], heldout: Sequence[Batch],
                  tokens_per_step: int, device: torch.device, loss_fn: LossFn | None = None):

@@ -23,7 +23,7 @@ from lowcomm.config import ConfigError
 from lowcomm.pipeline.activations import pack, pack_tokens, unpack, unpack_tokens
 from lowcomm.runtime.preflight import check_device
 from lowcomm.runtime.state_transfer import encode_state
-from lowcomm.runtime.trainer import pick_device, resolve_device
+from lowcomm.runtime.trainer import device_label, pick_device, resolve_device
 
 WAIT_S = 60.0  # a bound on rounds that only a broken test reaches; never asserted
 
@@ -182,6 +182,15 @@ def test_with_gpus_each_name_resolves_to_an_indexed_device(gpus):
     assert pick_device("cuda:0") == torch.device("cuda", 0) and made == [torch.device("cuda", 0)]
     assert pick_device("cpu") == torch.device("cpu") and len(made) == 1  # a CPU peer leaves CUDA alone
     check_device("cuda:1")
+
+
+def test_a_peer_says_which_gpu_it_trains_on(gpus, monkeypatch):
+    gpus(2)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: f"Example GPU {torch.device(device).index}")
+    assert device_label(torch.device("cuda", 1)) == "cuda:1 Example GPU 1"
+    assert device_label(torch.device("cpu")) == "cpu"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "x" * 200)
+    assert len(device_label(torch.device("cuda", 0))) == 64  # a peer record's labels are short
 
 
 @pytest.mark.parametrize(("count", "requested", "hint"), [(1, "cuda:1", "use --device cuda:0 or cpu"),
