@@ -100,8 +100,9 @@ def test_the_systemd_unit_runs_peer_join_restarts_on_failure_and_waits_for_the_c
 def test_license_is_the_apache_license_2_0_in_full():
     text = (REPO / "LICENSE").read_text()
     assert text.split()[:4] == ["Apache", "License", "Version", "2.0,"]
-    for part in ("TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION", "9. Accepting Warranty or Additional "
-                 "Liability.", "END OF TERMS AND CONDITIONS", "APPENDIX: How to apply the Apache License to your work."):
+    for part in ("TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION",
+                 "9. Accepting Warranty or Additional Liability.", "END OF TERMS AND CONDITIONS",
+                 "APPENDIX: How to apply the Apache License to your work."):
         assert part in text, part
     assert len(text.splitlines()) == 202
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
