@@ -36,7 +36,7 @@ from lowcomm.runtime.options import PeerOptions
 from lowcomm.runtime.progress import Progress
 from lowcomm.runtime.state_sync import StateSync
 from lowcomm.runtime.trainer import LocalTrainer, Trainer, device_label, pick_device
-from lowcomm.transport.control import PeerRecord
+from lowcomm.transport.control import DHTUnreachable, PeerRecord
 
 __all__ = ["Peer", "PeerOptions", "TrainingPeer"]
 LATE_HOOK_WAIT_S = 120.0
@@ -72,7 +72,12 @@ class Peer:
             ctx.log_leave()
             ctx.close()
             raise
-        return peer.run()
+        try:
+            return peer.run()
+        except DHTUnreachable:
+            if ctx.stop_signal is None:
+                raise
+            return 0  # a stop signal to the whole group ends the DHT's process first: that is the leave asked for
 
 
 class TrainingPeer:

@@ -26,6 +26,7 @@ from lowcomm.transport.join_token import MAX_TOKEN_CHARS
 
 logger = logging.getLogger(__name__)
 DHT_CALL_S = 30.0  # the longest one store or get may take
+DHT_ALIVE_CHECK_S = 0.5  # while waiting on one, how often to check that the DHT's process still runs
 JOIN_ATTEMPTS, JOIN_RETRY_S = 3, 2.0  # joining through initial peers: tries, and the pause before the n-th retry × n
 RUNS_KEY = "lowcomm.runs"  # every coordinator's run name, so `status` can list the runs a DHT holds
 MAX_RUN_NAME = 128
@@ -192,16 +193,22 @@ class ControlPlane:
         return self.dht.is_alive()
 
     def _wait(self, call):
-        """``call()``'s future's result within DHT_CALL_S: a DHT process that died never answers, and no wait
-        is endless."""
+        """``call()``'s future's result within DHT_CALL_S: a DHT process that died never answers, so its death
+        ends the wait (DHTUnreachable), and no wait is endless."""
         if not self.dht.is_alive():
             raise DHTUnreachable("the DHT's process is gone")
         future = call()
-        try:
-            return future.result(timeout=DHT_CALL_S)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise TimeoutError(f"the DHT did not answer within {DHT_CALL_S:.0f}s") from None
+        deadline = time.monotonic() + DHT_CALL_S
+        while True:  # in slices: a DHT process that dies meanwhile (a stop signal to the group) ends the wait
+            try:
+                return future.result(timeout=max(0.0, min(DHT_ALIVE_CHECK_S, deadline - time.monotonic())))
+            except concurrent.futures.TimeoutError:
+                if not self.dht.is_alive():
+                    future.cancel()
+                    raise DHTUnreachable("the DHT's process is gone") from None
+                if time.monotonic() >= deadline:
+                    future.cancel()
+                    raise TimeoutError(f"the DHT did not answer within {DHT_CALL_S:.0f}s") from None
 
     # ---- generic signed records -------------------------------------------------------------
 

@@ -1,8 +1,13 @@
-"""Joining the DHT through initial peers is tried JOIN_ATTEMPTS times (a daemon slow to start on a
-loaded host is the common failure: 1 of 33 at 32 peers on 2 cores), then refused in one line; a node
-that starts the DHT alone is not retried. hivemind.DHT is replaced by a stand-in that fails on cue."""
+"""The DHT node's life: joining through initial peers is tried JOIN_ATTEMPTS times (a daemon slow to
+start on a loaded host is the common failure: 1 of 33 at 32 peers on 2 cores), then refused in one
+line, and a node that starts the DHT alone is not retried; a call whose DHT process dies while it
+waits ends at once (a stop signal to the whole group ends that process first). hivemind.DHT is
+replaced by stand-ins that fail or die on cue."""
 
 from __future__ import annotations
+
+import concurrent.futures
+import threading
 
 import pytest
 
@@ -48,3 +53,25 @@ def test_the_first_node_is_not_retried(monkeypatch):
     with pytest.raises(DHTUnreachable):
         ControlPlane.start(Identity.generate(), "run")
     assert len(calls) == 1
+
+
+class DyingDHT:  # a DHT whose process dies while a call waits on it: the call's future never completes
+    def __init__(self):
+        self.dead = threading.Event()
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def is_alive(self) -> bool:
+        return not self.dead.is_set()
+
+    def get(self, key, latest=True, return_future=True):
+        self.dead.set()  # it dies after taking the call
+        return self.future
+
+
+def test_a_call_whose_dht_process_dies_ends_without_waiting_out_its_deadline(monkeypatch):
+    monkeypatch.setattr(control, "DHT_CALL_S", 3600.0)  # only the death can end this wait within the test's time
+    dht = DyingDHT()
+    plane = ControlPlane(dht, Identity.generate(), "run")
+    with pytest.raises(DHTUnreachable, match="process is gone"):
+        plane.live_peers()
+    assert dht.future.cancelled()
