@@ -246,10 +246,11 @@ def _status_page(args, start):
 
 
 def observe(args) -> int:
-    from lowcomm.runtime.preflight import check_multiaddrs
+    from lowcomm.runtime.preflight import check_dashboard, check_multiaddrs
     from lowcomm.runtime.watch import observe_until_stopped
 
     check_multiaddrs(args.coordinator)
+    check_dashboard(args)
     return observe_until_stopped(args.coordinator, args.run, lambda control: _status_page(
         args, lambda page: page.for_dht(control, args.run, args.dashboard_host, args.dashboard_port)))
 
@@ -304,8 +305,11 @@ def simulate(args) -> int:
     from lowcomm.runtime.sim_admission import admit_simulated
     from lowcomm.transport.netns import NetnsError, NetnsUnavailable
 
+    from lowcomm.runtime.preflight import check_dashboard
+
     if args.peers < 1:
         raise ConfigError(f"--peers {args.peers}: a simulation needs at least 1 peer")
+    check_dashboard(args)
     config = load_config(args.config).override({"run.algo": args.algo, "pipeline.stages": args.stages})
     inner_steps_key = (f"{config.run.algo}.inner_steps" if config.run.algo in ("sparseloco", "noloco")
                        else "diloco.inner_steps")

@@ -84,6 +84,15 @@ def check_peer(options: PeerOptions) -> None:
     check_run_key(options.run_key)
     check_device(options.device)  # options.check has checked --announce-addr
     check_ports(options.host, options.port, options.dht_host, options.dht_port)
+    if options.metrics_port is not None:
+        check_port_free(options.metrics_host, options.metrics_port, "--metrics-port")
+
+
+def check_dashboard(args) -> None:
+    """--dashboard-host and --dashboard-port of coordinator start, observe and simulate, before anything starts."""
+    if args.dashboard_port is not None:
+        check_host(args.dashboard_host, "--dashboard-host")
+        check_port_free(args.dashboard_host, args.dashboard_port, "--dashboard-port")
 
 
 def check_coordinator(args) -> None:
@@ -92,6 +101,7 @@ def check_coordinator(args) -> None:
     check_host(args.dht_host, "--dht-host")
     check_announce(args.announce_addr)
     check_ports(args.host, args.port, args.dht_host, args.dht_port)
+    check_dashboard(args)
     if args.resume is not None:
         try:
             load_checkpoint(args.resume)

@@ -90,3 +90,26 @@ def test_an_unexpected_failure_is_one_line_unless_verbose(capsys, monkeypatch):
     assert line.startswith("lowcomm export: RuntimeError: disk on fire") and "-v" in line
     with pytest.raises(RuntimeError):
         main(["-v", "export", "a", "b"])
+
+
+def test_version(capsys):
+    from lowcomm.version import __version__
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"lowcomm {__version__}"
+
+
+def test_a_status_page_or_metrics_port_in_use_is_one_line_before_anything_starts(capsys, tmp_path, busy_port,
+                                                                                  run_key):
+    assert join(run_key, "--metrics-port", str(busy_port)) == 2
+    assert f"--metrics-port {busy_port} on 127.0.0.1 is not free" in one_line_error(capsys)
+    assert main(["coordinator", "start", "--dashboard-port", str(busy_port)]) == 2
+    assert f"--dashboard-port {busy_port} on 127.0.0.1 is not free" in one_line_error(capsys)
+    assert main(["observe", "--coordinator", MADDR, "--dashboard-port", str(busy_port)]) == 2
+    assert f"--dashboard-port {busy_port} on 127.0.0.1 is not free" in one_line_error(capsys)
+    report = tmp_path / "report.json"
+    assert main(["simulate", "--dashboard-port", str(busy_port), "--report", str(report)]) == 2
+    line = one_line_error(capsys)
+    assert line.startswith(f"lowcomm: --dashboard-port {busy_port} on 127.0.0.1 is not free")
+    assert not report.exists() and not (tmp_path / "report-run" / "peers").exists()
