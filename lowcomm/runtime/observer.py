@@ -33,6 +33,7 @@ MAX_EVENTS = 500
 MAX_LINE = 1 << 20  # a JSONL line longer than this is skipped
 MAX_READ = 8 << 20  # bytes read from one file per poll
 QUIET_EVENTS = {"state", "ready", "metrics", "slowdown"}  # kept out of the page's event list
+COORDINATOR_STATES = {"coordinator", "holder"}  # the coordinator's record: listed, not counted as a peer
 
 
 def finite(value) -> float | None:
@@ -149,7 +150,7 @@ class RunView:
             now = time.time()
             peers = [{**asdict(p), "last_seen_s": round(max(0.0, now - p.last_seen), 1) if p.last_seen else None}
                      for p in sorted(self.peers.values(), key=lambda p: (p.gone, p.id))]
-            live = [p for p in self.peers.values() if not p.gone]
+            live = [p for p in self.peers.values() if not p.gone and p.state not in COORDINATOR_STATES]
             stages: dict[int, list[str]] = {}
             for p in live:
                 if p.stage >= 0:
@@ -157,7 +158,7 @@ class RunView:
             latest = max(self.rounds.values(), key=lambda r: r.round, default=None)
             return {
                 "run": self.run, "source": self.source, "now": now, "updated": self.updated,
-                "totals": {"peers_live": len(live), "peers_gone": len(self.peers) - len(live),
+                "totals": {"peers_live": len(live), "peers_gone": sum(p.gone for p in self.peers.values()),
                            "round": latest.round if latest else None,
                            "tokens": sum(p.tokens for p in self.peers.values()),
                            "bytes": sum(p.sent for p in self.peers.values()),

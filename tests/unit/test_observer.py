@@ -107,7 +107,8 @@ def test_dht_records_give_joins_counters_rounds_and_gone_peers():
     last = {"round": 3, "participants": 2, "contributors": 2, "bytes": 500, "sync_s": 0.7, "norm": 0.25, "phi": "ab"}
     control.records = {"a": record("a", state="training", round=4, heartbeat=10.0, loss=3.0, loss_kind="held-out",
                                    stats={"tokens": 100, "sent": 50, "rejects": 0, "last_round": last}),
-                       "b": record("b", state="training", heartbeat=10.0, stats={"tokens": 200, "last_round": last})}
+                       "b": record("b", state="training", heartbeat=10.0, stats={"tokens": 200, "last_round": last}),
+                       "c": record("c", state="coordinator", heartbeat=10.0)}
     source.poll()
     control.records["a"] = record("a", state="training", round=5, heartbeat=12.0, loss=2.5, loss_kind="held-out",
                                   stats={"tokens": 300, "sent": 70, "rejects": 2})
@@ -117,8 +118,9 @@ def test_dht_records_give_joins_counters_rounds_and_gone_peers():
     by_id = {p["id"]: p for p in s["peers"]}
     assert by_id["a"]["tokens"] == 300 and by_id["a"]["rejects"] == 2 and not by_id["a"]["gone"]
     assert by_id["b"]["gone"] and by_id["b"]["gone_why"] == "its record expired"
-    assert [(e["kind"], e["peer"]) for e in s["events"]] == [("join", "a"), ("join", "b"), ("reject", "a"),
-                                                             ("gone", "b")]
+    assert [(e["kind"], e["peer"]) for e in s["events"]] == [("join", "a"), ("join", "b"), ("join", "c"),
+                                                             ("reject", "a"), ("gone", "b")]
+    assert by_id["c"]["state"] == "coordinator" and (s["totals"]["peers_live"], s["totals"]["peers_gone"]) == (1, 1)
     assert s["rounds"][0]["bytes"] == 1000 and s["rounds"][0]["reporters"] == 2 and s["rounds"][0]["phi"] == "ab"
     assert [e["loss"] for e in s["evals"]] == [3.0, 2.5]
 
