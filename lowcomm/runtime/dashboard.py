@@ -80,13 +80,17 @@ class RunCollector:
             "contributed": CounterMetricFamily("lowcomm_peer_rounds_contributed",
                                                "rounds whose aggregate holds the peer's contribution",
                                                labels=["run", "peer"]),
+            "participated": CounterMetricFamily("lowcomm_peer_rounds_participated",
+                                                "rounds the peer was a member of (its contribution counted or left out)",
+                                                labels=["run", "peer"]),
             "rejects": CounterMetricFamily("lowcomm_peer_rejects", "inputs the peer refused", labels=["run", "peer"]),
             "resyncs": CounterMetricFamily("lowcomm_peer_resyncs", "the peer's state downloads", labels=["run", "peer"]),
         }
         for p in peers:
             labels = [run, p["id"]]
             families["up"].add_metric(labels, 0 if p["gone"] else 1)
-            for key in ("round", "step", "tokens", "throughput", "sent", "contributed", "rejects", "resyncs"):
+            for key in ("round", "step", "tokens", "throughput", "sent", "contributed", "participated", "rejects",
+                        "resyncs"):
                 families[key].add_metric(labels, p[key])
             if p["loss"] is not None:
                 families["loss"].add_metric(labels + [p["loss_kind"].replace("-", "_") or "train"], p["loss"])

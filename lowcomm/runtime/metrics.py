@@ -74,6 +74,8 @@ class PeerCollector:
                      "(the latest applied round + 1)", s["round"])
         yield family(CounterMetricFamily, "lowcomm_rounds_contributed", "applied rounds holding this peer's "
                      "contribution", s["contributed"])
+        yield family(CounterMetricFamily, "lowcomm_rounds_participated", "applied rounds this peer was a member of "
+                     "(its contribution counted or left out)", s["participated"])
         last = s["last_round"]
         for key, doc in (("participants", "members"), ("contributors", "contributors")):
             yield family(GaugeMetricFamily, f"lowcomm_round_{key}", f"{doc} of the latest round this peer applied",

@@ -60,6 +60,7 @@ class PeerView:
     sent: int = 0
     received: int = 0
     contributed: int = 0  # rounds whose aggregate holds this peer's contribution
+    participated: int = 0  # rounds it was a member of: those it contributed to and those it was left out of
     rejects: int = 0
     resyncs: int = 0
     sync_s: float = 0.0  # its latest round's
@@ -202,7 +203,7 @@ class DhtSource:
                 p.last_seen, p.gone, p.gone_why = r.heartbeat, False, ""
                 if r.loss >= 0:
                     p.loss, p.loss_kind = r.loss, r.loss_kind
-                for name in ("tokens", "sent", "received", "contributed", "rejects", "resyncs"):
+                for name in ("tokens", "sent", "received", "contributed", "participated", "rejects", "resyncs"):
                     setattr(p, name, int(stats.get(name, getattr(p, name))))
                 last = stats.get("last_round")
                 if last and "round" in last:
@@ -278,6 +279,7 @@ class RecordsSource:
             contributors = r.get("contributors") or []
             p.round = int(r["round"]) + 1
             p.contributed += p.id in contributors
+            p.participated += p.id in (r.get("participants") or []) or p.id in contributors
             p.sync_s = finite(r.get("sync_s")) or 0.0
             view.round_seen(int(r["round"]), p.id, t, len(r.get("participants") or []), len(contributors),
                             int(r.get("bytes") or 0), p.sync_s, r.get("norm"),

@@ -44,6 +44,7 @@ class PeerStats:
         self.held_out_loss: float | None = None
         self.round = 0  # rounds of global state held: the latest applied round + 1, or a downloaded state's
         self.contributed = 0  # applied rounds whose contributors include this peer
+        self.participated = 0  # applied rounds whose members include this peer (contributed or left out)
         self.rejects = 0
         self.resyncs = 0
         self.sync_s = 0.0
@@ -95,6 +96,7 @@ class PeerStats:
         sync_s = max(_number(r.get("sync_s")) or 0.0, 0.0)
         self.round = round_ + 1
         self.contributed += self.peer_id in contributors
+        self.participated += self.peer_id in participants or self.peer_id in contributors
         self.sync_s += sync_s
         self.last_round = {"round": round_, "participants": len(participants), "contributors": len(contributors),
                            "bytes": _count(r.get("bytes")) or 0, "sync_s": round(sync_s, 3),
@@ -133,6 +135,7 @@ class PeerStats:
     def _summary(self, traffic: dict[str, int]) -> dict:
         return {"tokens": self.tokens, "steps": self.steps, "sent": traffic["sent"], "received": traffic["received"],
                 "rejects": self.rejects, "resyncs": self.resyncs, "contributed": self.contributed,
+                "participated": self.participated,
                 "sync_s": round(self.sync_s, 3), "last_round": dict(self.last_round)}
 
     def snapshot(self) -> dict:

@@ -106,7 +106,8 @@ class PeerRecord:
         return record
 
 
-STATS_NUMBERS = ("tokens", "steps", "sent", "received", "rejects", "resyncs", "contributed", "sync_s")
+STATS_NUMBERS = ("tokens", "steps", "sent", "received", "rejects", "resyncs", "contributed", "participated",
+                 "sync_s")
 LAST_ROUND_NUMBERS = ("round", "participants", "contributors", "bytes", "sync_s", "norm")
 MAX_PHI_CHARS = 64
 

@@ -85,6 +85,7 @@ def test_the_series_and_their_values(metrics):
         ("lowcomm_resyncs_total", ()): 1.0,
         ("lowcomm_round", ()): 2.0,
         ("lowcomm_rounds_contributed_total", ()): 2.0,
+        ("lowcomm_rounds_participated_total", ()): 2.0,
         ("lowcomm_round_participants", ()): 2.0,
         ("lowcomm_round_contributors", ()): 2.0,
         ("lowcomm_round_sync_seconds", ()): 0.25,

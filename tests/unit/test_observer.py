@@ -48,6 +48,7 @@ def test_records_give_peers_rounds_evals_and_a_killed_peer_gone(tmp_path):
     assert by_id["a"]["device"] == "cpu" and by_id["a"]["link"] == "20mbit:80ms"
     assert (by_id["a"]["round"], by_id["a"]["step"], by_id["a"]["tokens"], by_id["a"]["sent"]) == (1, 10, 640, 1000)
     assert by_id["a"]["throughput"] == 320.0 and by_id["a"]["contributed"] == 1 and by_id["b"]["contributed"] == 0
+    assert by_id["a"]["participated"] == by_id["b"]["participated"] == 1  # b was a member, left out
     assert by_id["a"]["rejects"] == 1 and by_id["a"]["loss"] == 3.25
     assert not by_id["a"]["gone"] and by_id["b"]["gone"] and by_id["b"]["gone_why"] == "killed"
     assert s["rounds"] == [{"round": 0, "t": 2.0, "participants": 2, "contributors": 2, "bytes": 200, "sync_s": 1.5,

@@ -12,7 +12,8 @@ from lowcomm.runtime.runlog import RunLog
 from lowcomm.transport.wire import Traffic
 
 ME, OTHER = "12D3KooWme", "12D3KooWother"
-SUMMARY_KEYS = {"tokens", "steps", "sent", "received", "rejects", "resyncs", "contributed", "sync_s", "last_round"}
+SUMMARY_KEYS = {"tokens", "steps", "sent", "received", "rejects", "resyncs", "contributed", "participated", "sync_s",
+                "last_round"}
 
 
 def a_run(log: RunLog) -> None:
@@ -39,7 +40,7 @@ def test_records_in_summary_out():
     summary = stats.summary()
     assert set(summary) == SUMMARY_KEYS
     assert summary == {"tokens": 2560, "steps": 20, "sent": 9000, "received": 0, "rejects": 2, "resyncs": 1,
-                       "contributed": 1, "sync_s": 1.75,
+                       "contributed": 1, "participated": 2, "sync_s": 1.75,
                        "last_round": {"round": 1, "participants": 2, "contributors": 1, "bytes": 3000, "sync_s": 0.5,
                                       "phi": "cd" * 8}}
     json.dumps(summary, allow_nan=False)  # plain JSON numbers
@@ -59,6 +60,7 @@ def test_contributed_counts_only_rounds_with_this_peer_among_the_contributors():
     mine, theirs = PeerStats(ME), PeerStats(OTHER)
     a_run(RunLog(None, ME, sinks=[mine.observe, theirs.observe]))
     assert (mine.summary()["contributed"], theirs.summary()["contributed"]) == (1, 2)
+    assert (mine.summary()["participated"], theirs.summary()["participated"]) == (2, 2)
 
 
 def test_live_traffic_counts_over_the_compute_records():
