@@ -1,9 +1,10 @@
 """A peer's presence in the run: its DHT record, the heartbeat that refreshes it, announcing ahead, leaving.
 
 The record (transport.control.PeerRecord) says where the peer listens, what it does (`parked`,
-`joining`, `training`, `leaving`), its round, step and throughput, and the stats its records add up
-to (runtime.peer_stats); ``fill(record)`` (the owner's callback) refreshes the numbers before each
-publication. A record expires `sync.record_ttl_s`
+`joining`, `training`, `leaving`), its round, step and throughput; ``fill(record)`` (the owner's
+callback) refreshes the numbers before each publication. Every STATS_EVERY-th heartbeat also
+publishes the stats its records add up to (runtime.peer_stats), under their own key, for status
+pages. A record expires `sync.record_ttl_s`
 after its last heartbeat, so a killed peer vanishes by itself; a peer that leaves expires it at
 once and withdraws the round it announced ahead, so that round's leader need not wait for it.
 """
@@ -21,6 +22,7 @@ from lowcomm.transport.control import PeerRecord
 
 logger = logging.getLogger(__name__)
 START_BARRIER_S = 3600.0
+STATS_EVERY = 5  # heartbeats between two publications of the stats (10 s at the default heartbeat_s)
 
 
 class Membership:
@@ -37,18 +39,29 @@ class Membership:
 
     def start_heartbeat(self) -> None:
         def beat():
+            beats = 0
             while not self._stop.wait(self.ctx.config.sync.heartbeat_s):
                 self.publish()
+                beats += 1
+                if beats % STATS_EVERY == 0:
+                    self.publish_stats()
         self.publish()
+        self.publish_stats()
         threading.Thread(target=beat, daemon=True, name="heartbeat").start()
 
     def publish(self) -> None:
         try:
             self.fill(self.record)
-            self.record.stats = self.ctx.stats.summary()  # for status pages (runtime.observer)
             self.ctx.control.publish_peer(self.record, self.ctx.config.sync.record_ttl_s)
         except Exception as e:  # a heartbeat must never kill training
             logger.warning("heartbeat failed: %s", e)
+
+    def publish_stats(self) -> None:
+        sync = self.ctx.config.sync
+        try:
+            self.ctx.control.publish_stats(self.ctx.stats.summary(), 3 * STATS_EVERY * sync.heartbeat_s)
+        except Exception as e:  # status pages only: never a reason to stop
+            logger.info("could not publish the stats: %s", e)
 
     def set(self, **fields) -> None:
         """Updates record fields and publishes at once (a state change others must see now); a change of

@@ -1,11 +1,11 @@
 """What a status page shows of a run, kept in one `RunView` and fed by sources.
 
-- `DhtSource` reads the peers' DHT records (transport.control.PeerRecord, with the `stats` each peer
-  publishes at its heartbeat): the coordinator's page and `lowcomm observe`, which see only the DHT.
-  A round is seen through its members' `stats.last_round`, a held-out loss when a peer's changes, an
-  event when a record appears (join), leaves (leave) or expires (gone), or a counter grows (reject,
-  resync); so the page shows what the DHT says at each poll, and a round shorter than a heartbeat
-  may be missed.
+- `DhtSource` reads the peers' DHT records (transport.control.PeerRecord, refreshed every heartbeat)
+  and the stats each peer publishes every few heartbeats (ControlPlane.live_stats): the
+  coordinator's page and `lowcomm observe`, which see only the DHT. A round is seen through its
+  members' `stats.last_round`, a held-out loss when a peer's changes, an event when a record appears
+  (join), leaves (leave) or expires (gone), or a counter grows (reject, resync); so the page shows
+  what the DHT says at each poll, and a round shorter than the stats' period may be missed.
 - `RecordsSource` tails the peers' JSONL records in a run folder (runtime.runlog): `simulate`, whose
   launcher holds every peer's records and churn's, sees every round, evaluation and event.
 
@@ -184,6 +184,7 @@ class DhtSource:
 
     def poll(self) -> None:
         records = self.control.live_peers()
+        every_stats = self.control.live_stats()
         now = time.time()
         with self.view.lock:
             view = self.view
@@ -193,7 +194,7 @@ class DhtSource:
                     view.event(r.heartbeat, "join", peer_id, state=r.state, device=r.device)
                 if r.state == "leaving" and p.state != "leaving":
                     view.event(r.heartbeat, "leave", peer_id, round=r.round)
-                stats = r.stats
+                stats = every_stats.get(peer_id, {})
                 for name in ("rejects", "resyncs"):
                     grown = int(stats.get(name, 0)) - getattr(p, name)
                     if grown > 0 and peer_id in self.live:

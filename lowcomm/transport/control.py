@@ -80,8 +80,6 @@ class PeerRecord:
     rollback_at: int = -1  # ... before this round
     token: str = ""  # token runs: the coordinator's join token for this peer (transport.join_token)
     link: str = ""  # its emulated or declared access link, e.g. "20mbit:80ms" ("": none)
-    # what it has done so far, for status pages (runtime.observer): numbers only, checked by clean_stats
-    stats: dict = field(default_factory=dict)
 
     @classmethod
     def from_value(cls, value: Any) -> "PeerRecord":
@@ -98,7 +96,6 @@ class PeerRecord:
         record.loss, record.loss_kind = float(record.loss), str(record.loss_kind)[:16]
         record.state, record.stage_state = _short(record.state), _short(record.stage_state)
         record.device, record.link = _short(record.device), _short(record.link)
-        record.stats = clean_stats(record.stats)
         if not isinstance(record.token, str) or len(record.token) > MAX_TOKEN_CHARS:
             raise ValueError("peer record's token is not a string of a join token's size")
         if not all(map(math.isfinite, (record.throughput, record.grad_norm, record.done_at, record.loss))):
@@ -294,6 +291,21 @@ class ControlPlane:
     def publish_peer(self, record: PeerRecord, ttl: float) -> None:
         record.heartbeat = get_dht_time()
         self._store(f"{self.run}.peers", asdict(record), ttl)
+
+    def publish_stats(self, stats: dict, ttl: float) -> None:
+        """What this peer has done so far, for status pages (runtime.observer), under a key of its own: the
+        peer records that every round's agreement reads stay small, and these go out less often."""
+        self._store(f"{self.run}.stats", {"peer_id": self.identity.peer_id, "stats": stats}, ttl)
+
+    def live_stats(self) -> dict[str, dict]:
+        """peer_id -> its latest stats, checked by clean_stats (a record that fails is dropped and counted)."""
+        out = {}
+        for peer_id, value in self._read(f"{self.run}.stats").items():
+            try:
+                out[peer_id] = clean_stats(value.get("stats"))
+            except ValueError:
+                self.rejected_records += 1
+        return out
 
     def expire_peer(self, ttl: float) -> None:
         """Removes this peer's record at once; ``ttl``: the lifetime its records were published with."""

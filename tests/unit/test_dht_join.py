@@ -75,3 +75,33 @@ def test_a_call_whose_dht_process_dies_ends_without_waiting_out_its_deadline(mon
     with pytest.raises(DHTUnreachable, match="process is gone"):
         plane.live_peers()
     assert dht.future.cancelled()
+
+
+class Answer:  # what hivemind's get returns: .value, a dict of subkey -> an item with .value
+    def __init__(self, value):
+        self.value = value
+
+
+class StoredDHT:  # a DHT node that answers every get with the items given
+    def __init__(self, items: dict):
+        self.items = items
+
+    def is_alive(self) -> bool:
+        return True
+
+    def get(self, key, latest=True, return_future=True):
+        future = concurrent.futures.Future()
+        future.set_result(Answer({subkey: Answer(value) for subkey, value in self.items.items()}))
+        return future
+
+
+def test_stats_are_read_signed_and_checked_and_a_bad_one_is_dropped_and_counted():
+    honest, liar, impostor = Identity.generate(), Identity.generate(), Identity.generate()
+    good = {"tokens": 10, "last_round": {"round": 2, "norm": 0.5, "phi": "ab"}}
+    plane = ControlPlane(StoredDHT({
+        honest.owner_marker: {"peer_id": honest.peer_id, "stats": good},
+        liar.owner_marker: {"peer_id": liar.peer_id, "stats": {"tokens": float("nan")}},
+        impostor.owner_marker: {"peer_id": honest.peer_id, "stats": good},  # signed by one, claims another
+    }), Identity.generate(), "run")
+    assert plane.live_stats() == {honest.peer_id: good}
+    assert plane.rejected_records == 2

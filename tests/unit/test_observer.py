@@ -90,12 +90,16 @@ def test_the_event_list_is_bounded_and_holds_no_nan():
     assert len(events[-1]["peer"]) == 64
 
 
-class FakeControl:  # the DHT's answer, as ControlPlane.live_peers gives it (checked records)
+class FakeControl:  # the DHT's answers, as ControlPlane.live_peers and live_stats give them (checked records)
     def __init__(self):
         self.records: dict[str, PeerRecord] = {}
+        self.stats: dict[str, dict] = {}
 
     def live_peers(self):
         return dict(self.records)
+
+    def live_stats(self):
+        return dict(self.stats)
 
 
 def record(peer_id: str, **fields) -> PeerRecord:
@@ -106,14 +110,15 @@ def test_dht_records_give_joins_counters_rounds_and_gone_peers():
     control, view = FakeControl(), RunView("r", "dht")
     source = DhtSource(control, view)
     last = {"round": 3, "participants": 2, "contributors": 2, "bytes": 500, "sync_s": 0.7, "norm": 0.25, "phi": "ab"}
-    control.records = {"a": record("a", state="training", round=4, heartbeat=10.0, loss=3.0, loss_kind="held-out",
-                                   stats={"tokens": 100, "sent": 50, "rejects": 0, "last_round": last}),
-                       "b": record("b", state="training", heartbeat=10.0, stats={"tokens": 200, "last_round": last}),
+    control.records = {"a": record("a", state="training", round=4, heartbeat=10.0, loss=3.0, loss_kind="held-out"),
+                       "b": record("b", state="training", heartbeat=10.0),
                        "c": record("c", state="coordinator", heartbeat=10.0)}
+    control.stats = {"a": clean_stats({"tokens": 100, "sent": 50, "rejects": 0, "last_round": last}),
+                     "b": clean_stats({"tokens": 200, "last_round": last})}
     source.poll()
-    control.records["a"] = record("a", state="training", round=5, heartbeat=12.0, loss=2.5, loss_kind="held-out",
-                                  stats={"tokens": 300, "sent": 70, "rejects": 2})
-    del control.records["b"]
+    control.records["a"] = record("a", state="training", round=5, heartbeat=12.0, loss=2.5, loss_kind="held-out")
+    control.stats["a"] = clean_stats({"tokens": 300, "sent": 70, "rejects": 2})
+    del control.records["b"], control.stats["b"]
     source.poll()
     s = view.snapshot()
     by_id = {p["id"]: p for p in s["peers"]}
@@ -131,15 +136,15 @@ def test_dht_records_give_joins_counters_rounds_and_gone_peers():
     {"last_round": []}, {"last_round": {"round": math.inf}}, {"last_round": {"round": 1, "phi": "x" * 65}},
     {"last_round": {"round": 1, "phi": "\x1b[31m"}},
 ])
-def test_a_peer_record_with_hostile_stats_is_refused(stats):
+def test_hostile_stats_are_refused(stats):
     with pytest.raises(ValueError):
         clean_stats(stats)
-    with pytest.raises(ValueError):
-        record("a", stats=stats)
 
 
-def test_a_peer_record_keeps_only_the_known_stats():
+def test_stats_keep_only_the_known_numbers_and_records_only_short_labels():
     assert clean_stats({"tokens": 5, "junk": "x" * 1000, "last_round": {"round": 2, "extra": 1}}) == \
         {"tokens": 5, "last_round": {"round": 2, "phi": ""}}
     with pytest.raises(ValueError):
         record("a", link="x" * 65)
+    with pytest.raises(ValueError):
+        record("a", state="\x1b[2J")
