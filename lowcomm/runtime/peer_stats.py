@@ -2,7 +2,7 @@
 
     stats = PeerStats(me, traffic)          # traffic: the process's byte counters (None: from the records)
     log = RunLog(path, me, sinks=[stats.observe])
-    stats.summary()                         # small, plain numbers: for the peer's DHT record and /metrics
+    stats.summary()                         # small, plain numbers: the stats it publishes (RUN.stats), /metrics
 
 Every peer kind writes the same record types (runtime.peer, runtime.stage_peer): `compute` records
 carry the cumulative steps, tokens and bytes sent, `round` records each applied round, `eval` the
@@ -114,7 +114,7 @@ class PeerStats:
         elif kind == "state_received" and _count(r.get("round")) is not None:
             self.round = _count(r["round"])  # a downloaded state: the rounds it holds
         elif kind == "start":
-            self.info = {name: str(r.get(name) or "")[:32] for name in ("algo", "device")}
+            self.info = {name: str(r.get(name) or "")[:64] for name in ("algo", "device")}
 
     # ---- numbers out -----------------------------------------------------------------------
 
