@@ -20,6 +20,7 @@ from lowcomm.runtime.observer import DhtSource, Observer, RecordsSource, RunView
 from lowcomm.version import __version__
 
 MAX_CLIENTS = 32
+DHT_POLL_S = 5.0  # two DHT reads (records and stats) per poll, whatever the number of viewers
 
 
 class RunCollector:
@@ -128,7 +129,7 @@ class StatusPage:
     """A RunView fed by its sources (runtime.observer) and served by a Dashboard: the coordinator's and
     `lowcomm observe`'s read the DHT (`for_dht`), `simulate`'s its peers' records (`for_records`)."""
 
-    def __init__(self, view: RunView, sources: list, host: str, port: int, refresh_s: float = 2.0):
+    def __init__(self, view: RunView, sources: list, host: str, port: int, refresh_s: float):
         self.observer = Observer(view, sources, refresh_s).start()
         try:
             self.dashboard = Dashboard(view, host, port)
@@ -140,7 +141,7 @@ class StatusPage:
     @classmethod
     def for_dht(cls, control, run: str, host: str, port: int) -> "StatusPage":
         view = RunView(run, "the DHT's peer records")
-        return cls(view, [DhtSource(control, view)], host, port)
+        return cls(view, [DhtSource(control, view)], host, port, DHT_POLL_S)
 
     @classmethod
     def for_records(cls, run_dir: Path, run: str, host: str, port: int) -> "StatusPage":
