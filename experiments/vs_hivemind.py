@@ -200,16 +200,19 @@ def _split(row: dict) -> str:
 
 
 def _mean(values: list) -> float | None:
-    """The mean of a cell's seeds; None if any seed missed (a mean of the ones that hit would flatter it)."""
-    return None if not values or any(v is None for v in values) else sum(values) / len(values)
+    """The mean of the seeds that have a value (the table says how many reached ddp's loss)."""
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
 
 
 def _spread(values: list, spec: str) -> str:
-    return f" ({format(min(values), spec)}-{format(max(values), spec)})" if len(values) > 1 and None not in values else ""
+    values = [v for v in values if v is not None]
+    return f" ({format(min(values), spec)}-{format(max(values), spec)})" if len(values) > 1 else ""
 
 
 def table(rows: dict, peers: int) -> str:
-    """One line per link and system; a system run with several seeds shows their mean (min-max)."""
+    """One line per link and system; a system run with several seeds shows their mean (min-max), its time
+    and bytes over the seeds that reached ddp's loss (how many did, if not all)."""
     lines = ["| link | system | seeds | steps/peer | final loss | time to ddp's loss s | wire bytes to it "
              "| speed-up vs ddp | vs hivemind: time, bytes | wire bytes/token | of all wire bytes: DHT, checkpoints "
              "| compute util. | wall s |",
@@ -237,9 +240,11 @@ def table(rows: dict, peers: int) -> str:
             utils = [r["compute_s"] / (r["peers"] * r["wall_s"]) for r in group if r["wall_s"]]
             per_token = _mean([r["wire_bytes"] / r["tokens"] for r in group])
             r = group[0]
+            missed = sum(t is None for t in times)
+            reached = f" ({len(times) - missed} of {len(times)} seeds reached it)" if missed and time_s else ""
             lines.append(f"| {rate} Mbit/s | {r['system']} | {','.join(str(g.get('seed', 0)) for g in group)} | "
                          f"{r['steps']} | {_mean(losses):.4f}{_spread(losses, '.3f')} | "
-                         f"{_fmt(time_s, '.0f')}{_spread(times, '.0f')} | "
+                         f"{_fmt(time_s, '.0f')}{_spread(times, '.0f')}{reached} | "
                          f"{_fmt(bytes_ and bytes_ / 1e6, '.1f', 'n/a', ' MB')} | "
                          f"{_fmt(speed, '.2f', 'n/a', 'x')} | {vs_h} | {per_token:.1f} | {_split(r)} | "
                          f"{_fmt(_mean(utils), '.2f', 'n/a')} | {_mean([g['wall_s'] for g in group]):.0f} |")
