@@ -64,6 +64,10 @@ class ExchangeResult:
     participants: list[str]  # the round's manifest members
     info: dict = field(default_factory=dict)
 
+    def norm(self) -> float | None:
+        """RoundResult.norm's counterpart: None, there is no one aggregate (each member mixes its own group's)."""
+        return None
+
 
 def pairing_digest(groups: dict[str, tuple[str, ...]]) -> str:
     """A short hash of a round's whole pairing: equal on two members iff they paired identically."""
