@@ -49,6 +49,8 @@ def check_port_free(host: str, port: int, flag: str = "--port") -> None:
     if not 0 < port < 65536:
         raise ConfigError(f"{flag} {port} is not a TCP port (1-65535, or 0 for any free one)")
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        # as the servers bind: a port left in TIME_WAIT by the last run's connections is free, a listener is not
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as e:
