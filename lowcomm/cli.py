@@ -303,9 +303,8 @@ def simulate(args) -> int:
     from lowcomm.runtime.churn import parse_churn
     from lowcomm.runtime.sim import Simulation, SimulationError
     from lowcomm.runtime.sim_admission import admit_simulated
-    from lowcomm.transport.netns import NetnsError, NetnsUnavailable
-
     from lowcomm.runtime.preflight import check_dashboard
+    from lowcomm.transport.netns import NetnsError, NetnsUnavailable
 
     if args.peers < 1:
         raise ConfigError(f"--peers {args.peers}: a simulation needs at least 1 peer")

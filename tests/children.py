@@ -1,10 +1,14 @@
 """Helpers for tests that start and watch child processes: a bounded wait on a condition, the
-SIGINT disposition a child needs to see Ctrl-C, and lookups in the peers' records."""
+SIGINT disposition a child needs to see Ctrl-C, lookups in the peers' records, and reading a
+status page the children serve."""
 
 from __future__ import annotations
 
+import json
 import signal
+import socket
 import time
+import urllib.request
 
 
 def wait_until(predicate, timeout: float, what: str, poll_s: float = 0.2):
@@ -55,3 +59,27 @@ manifest_s = 3.0
 [checkpoint]
 every_rounds = {checkpoint_every_rounds}
 """
+
+
+# ---- a status page served on this machine (runtime.dashboard) --------------------------------
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a process to listen on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def page_get(url: str) -> bytes | None:
+    """The body at `url`; None while nothing listens there yet."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as answer:
+            return answer.read()
+    except OSError:
+        return None
+
+
+def page_status(url: str) -> dict | None:
+    """The status page's JSON (`url` is the page's, ending in /); None while it does not answer."""
+    body = page_get(url + "api/status")
+    return json.loads(body) if body else None

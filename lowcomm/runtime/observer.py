@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from lowcomm.runtime.peer_stats import finite
 
 logger = logging.getLogger(__name__)
 MAX_PEERS = 1000  # peer views kept; the longest-gone are dropped first
@@ -34,13 +35,6 @@ MAX_LINE = 1 << 20  # a JSONL line longer than this is skipped
 MAX_READ = 8 << 20  # bytes read from one file per poll
 QUIET_EVENTS = {"state", "ready", "metrics", "slowdown"}  # kept out of the page's event list
 COORDINATOR_STATES = {"coordinator", "holder"}  # the coordinator's record: listed, not counted as a peer
-
-
-def finite(value) -> float | None:
-    """`value` as a float if it is a finite number, else None (the page's JSON holds no NaN)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
-    return float(value)
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import Any
 PHI_CHARS = 16  # a φ hash is shown, not checked: its first 16 hex digits tell replicas apart
 
 
-def _number(value: Any) -> float | None:
+def finite(value: Any) -> float | None:
     """`value` as a finite float, None if it is not a number (a bool is not one)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
@@ -27,7 +27,7 @@ def _number(value: Any) -> float | None:
 
 
 def _count(value: Any) -> int | None:
-    number = _number(value)
+    number = finite(value)
     return int(number) if number is not None and number >= 0 else None
 
 
@@ -64,7 +64,7 @@ class PeerStats:
             elif kind == "round":
                 self._round(record)
             elif kind == "eval":
-                loss = _number(record.get("loss"))
+                loss = finite(record.get("loss"))
                 self.held_out_loss = loss if loss is not None else self.held_out_loss
             elif kind == "train":
                 self._train(record)
@@ -83,7 +83,7 @@ class PeerStats:
         self.steps = max(self.steps, _count(r.get("step")) or 0)
 
     def _train_loss(self, r: dict) -> None:
-        loss = _number(r.get("loss"))
+        loss = finite(r.get("loss"))
         if loss is not None:
             self.train_loss = loss
 
@@ -93,7 +93,7 @@ class PeerStats:
             return
         participants = r.get("participants") if isinstance(r.get("participants"), list) else []
         contributors = r.get("contributors") if isinstance(r.get("contributors"), list) else []
-        sync_s = max(_number(r.get("sync_s")) or 0.0, 0.0)
+        sync_s = max(finite(r.get("sync_s")) or 0.0, 0.0)
         self.round = round_ + 1
         self.contributed += self.peer_id in contributors
         self.participated += self.peer_id in participants or self.peer_id in contributors
@@ -101,7 +101,7 @@ class PeerStats:
         self.last_round = {"round": round_, "participants": len(participants), "contributors": len(contributors),
                            "bytes": _count(r.get("bytes")) or 0, "sync_s": round(sync_s, 3),
                            "phi": str(r.get("phi_hash") or "")[:PHI_CHARS]}
-        norm = _number(r.get("norm"))
+        norm = finite(r.get("norm"))
         if norm is not None and norm >= 0:
             self.last_round["norm"] = round(norm, 6)
 

@@ -9,36 +9,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from children import small_diloco_toml, wait_until
+from children import free_port, page_get as get, page_status as status, small_diloco_toml, wait_until
 
 PEERS = 2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def get(url: str) -> bytes | None:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as answer:
-            return answer.read()
-    except OSError:
-        return None  # not listening yet
-
-
-def status(url: str) -> dict | None:
-    body = get(url + "api/status")
-    return json.loads(body) if body else None
 
 
 @pytest.mark.timeout(420)

@@ -6,19 +6,16 @@ its peers) and, whatever happens, its group is killed at the end."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import urllib.request
 from html.parser import HTMLParser
 
 import pytest
 
-from children import small_diloco_toml, wait_until
+from children import free_port, page_status as status, small_diloco_toml, wait_until
 
 PEERS = 4
 TOKENS_PER_ROUND = 4 * 1024 * PEERS  # inner_steps 4, batch 16 x context 64, 4 peers: an evaluation each round
@@ -35,12 +32,6 @@ def browser() -> str:
             pytest.fail(message)
         pytest.skip(message)
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Dom(HTMLParser):
@@ -77,14 +68,6 @@ class Dom(HTMLParser):
     def handle_data(self, data):
         if self._row is not None and self._cell == "state":
             self._row["state"] += data
-
-
-def status(url: str) -> dict | None:
-    try:
-        with urllib.request.urlopen(url + "api/status", timeout=5) as answer:
-            return json.load(answer)
-    except OSError:
-        return None  # not listening yet
 
 
 @pytest.mark.timeout(600)
