@@ -1,7 +1,7 @@
 """Round membership: peers announce for a round in the DHT and follow one manifest written by a leader.
 
-Waits read the DHT when another peer wakes this one (transport.wakeups: its announcement or manifest
-is there), else at a slow poll. With `sync.max_contributors` = G > 0 the manifest bounds the fan-in:
+A writer also posts its announcement and manifest to the peers that wait on them (transport.round_posts);
+waits read the posts when woken and the DHT seldom (collectives.round_reads). With `sync.max_contributors` = G > 0 the manifest bounds the fan-in:
 only the first G members in the order of sha256(run ‖ group ‖ round ‖ peer id) (a rotation across
 rounds) send contributions; the others receive the aggregate without adding to it.
 
@@ -38,7 +38,9 @@ from typing import Callable
 
 from lowcomm.collectives.base import CollectiveError, NotInRound
 from lowcomm.collectives.config import SyncConfig
+from lowcomm.collectives.round_reads import RoundReads
 from lowcomm.transport.control import ControlPlane, PeerRecord
+from lowcomm.transport.round_posts import ANNOUNCE, MANIFEST
 from lowcomm.transport.wakeups import Wakes
 
 logger = logging.getLogger(__name__)
@@ -108,7 +110,7 @@ class ManifestAgreement:
         self._known: dict[str, list[tuple[int, frozenset[str]]]] = {}  # group -> (first round, members), by round
         self._refused: set[tuple[str, int, str, str]] = set()  # (group, round, peer, reason) already counted
         self.refused_writers = 0
-        self._records: tuple[float, dict[str, PeerRecord]] = (float("-inf"), {})  # (read at, live records)
+        self.reads = RoundReads(control, self.wakes)  # the round's records: posted, and the DHT's
 
     # ---- which writers count --------------------------------------------------------------------
 
@@ -183,11 +185,18 @@ class ManifestAgreement:
         owner that never replies costs every member that slice of the round.
         """
         info = self._presence
-        self.control.announce(group, round_, {**info, "ahead": True} if ahead else info, self._ttl)
+        self._announce(group, round_, {**info, "ahead": True} if ahead else info)
 
     def withdraw(self, group: str, round_: int) -> None:
         """Takes back an announcement ahead (a peer leaving): no manifest written after this counts it."""
-        self.control.announce(group, round_, {"endpoint": None, "gone": True}, self._ttl)  # readers drop it
+        self._announce(group, round_, {"endpoint": None, "gone": True})  # readers drop it
+
+    def _announce(self, group: str, round_: int, info: dict) -> None:
+        """Stores the announcement, and posts it to the live peers due in the group (cached records)."""
+        record = self.control.announce(group, round_, info, self._ttl)
+        self.wakes.post([rec.endpoint for p, rec in self.reads.live().items() if p != self.me and self.admits(p)
+                         and rec.state in ("training", "joining") and self.due_in_group(group, rec)],
+                        ANNOUNCE, group, round_, record)
 
     def agree(self, group: str, round_: int, epoch_rounds: int, codec: str,
               suspects: frozenset[str] = frozenset()) -> Manifest:
@@ -215,7 +224,7 @@ class ManifestAgreement:
             now = time.monotonic()
             turn = int((now - started) // self.sync.manifest_s)
             fallback = frozenset(order[first_outside:turn + 1])
-            manifests = self.control.manifests(group, round_)
+            manifests = self.reads.manifests(group, round_)
             if manifests and self._pick(manifests, group, round_, fallback) is not None:
                 return self._follow(manifests, group, round_, fallback, settled)
             if turn >= len(order) and (short is None or now - started >= self.quorum_wait_s):
@@ -224,7 +233,7 @@ class ManifestAgreement:
                                       + (f": {short}" if short else ""))
             if mine is not None and turn >= mine and not published and now - checked >= QUORUM_POLL_S:
                 checked = now
-                announcers = {**(self.control.announcers(group, round_) or announcers), self.me: self._presence}
+                announcers = {**(self.reads.announcers(group, round_) or announcers), self.me: self._presence}
                 reached = [p for p in self._members(group, round_, announcers) if not announcers[p].get("ahead")]
                 reason = self.short_of_quorum(group, round_, reached)
                 if reason is None:
@@ -263,7 +272,7 @@ class ManifestAgreement:
         previous = self.trusted(group, round_)
         if not self.quorum or previous is None:
             return None
-        records = self._live()
+        records = self.reads.live()
         if self._solo_after_others(previous, members, records):
             return "this peer alone reached the round, and the previous round had other members"
         live = {p for p, rec in records.items() if rec.state == "training"} | {self.me}
@@ -280,12 +289,6 @@ class ManifestAgreement:
         resyncing = {p for p, rec in records.items() if rec.state == "joining"}
         return self.me in previous and bool(others - resyncing) and set(members) <= {self.me}
 
-    def _live(self) -> dict[str, PeerRecord]:
-        """The live records, read again once older than a poll interval (a round's looks share one read)."""
-        if time.monotonic() - self._records[0] >= self.wakes.poll_s:
-            self._records = (time.monotonic(), self.control.live_peers())
-        return self._records[1]
-
     def _gather(self, group: str, round_: int, suspects: frozenset[str]) -> tuple[dict[str, dict], bool]:
         """Announcers, once every live peer due in this round has reached it or `announce_s` passed, and
         whether every due peer had. The first look wakes the due peers (they may wait on this one).
@@ -295,21 +298,17 @@ class ManifestAgreement:
         A manifest already written ends the wait: the round's membership is settled.
         """
         deadline = time.monotonic() + self.sync.announce_s
-        woken = False
         while True:
-            announcers = {p: info for p, info in self.control.announcers(group, round_).items()
+            late = time.monotonic() >= deadline  # the round may go on without a peer: the DHT's records too
+            announcers = {p: info for p, info in self.reads.announcers(group, round_, fresh=late).items()
                           if isinstance(info.get("endpoint"), str)}  # well-formed (withdrawals are dropped)
-            records = self._live()
+            records = self.reads.live()
             due = {p for p, rec in records.items()
                    if rec.state in ("training", "joining") and rec.round <= round_ and p not in suspects
                    and self.due_in_group(group, rec) and self.admits(p)}
-            if not woken:
-                self.wakes.wake([records[p].endpoint for p in due if p != self.me], group, round_)
-                woken = True
             present = {p for p, info in announcers.items() if not info.get("ahead")} | {self.me}
             announced = due <= set(announcers) | {self.me}
-            if (due <= present or time.monotonic() >= deadline
-                    or (announced and self._settled(group, round_))):
+            if due <= present or late or (announced and self._settled(group, round_)):
                 missing = due - set(announcers) - {self.me}
                 if missing:  # a live record that never announced (dead, or late): the round goes on without it
                     self.on_event("timeout", round=round_, stage="announce", missing=sorted(missing))
@@ -319,7 +318,7 @@ class ManifestAgreement:
 
     def _settled(self, group: str, round_: int) -> bool:
         """Whether a manifest that counts exists for the round (a stranger's does not end the wait)."""
-        manifests = self.control.manifests(group, round_)
+        manifests = self.reads.manifests(group, round_)
         return bool(manifests) and self._pick(manifests, group, round_) is not None
 
     def _members(self, group: str, round_: int, announcers: dict[str, dict]) -> list[str]:
@@ -337,20 +336,20 @@ class ManifestAgreement:
         manifest = Manifest(self.control.run, group, round_, epoch_rounds, self.me, members,
                             {p: announcers[p]["endpoint"] for p in members}, owners, codec,
                             bounded_fan_in(self.control.run, group, round_, members, self.sync.max_contributors))
-        self.control.publish_manifest(group, round_, manifest.to_dict(), ttl)
-        self.wakes.wake([manifest.endpoints[p] for p in members if p != self.me], group, round_)
+        record = self.control.publish_manifest(group, round_, manifest.to_dict(), ttl)
+        self.wakes.post([manifest.endpoints[p] for p in members if p != self.me], MANIFEST, group, round_, record)
         logger.info("round %d: wrote the manifest for %d members", round_, len(members))
 
     def read(self, group: str, round_: int, fallback: bool = False) -> Manifest | None:
         """The manifest every member of the round follows (this peer a member or not); None if none yet.
         With ``fallback`` (a reader that saw the run move past the round), a writer outside the previous
         members counts too if it announced that it reached the round (all previous members gone)."""
-        manifests = self.control.manifests(group, round_)
+        manifests = self.reads.manifests(group, round_, fresh=True)
         if not manifests:
             return None
         outside = frozenset()
         if fallback:
-            outside = frozenset(p for p, info in self.control.announcers(group, round_).items()
+            outside = frozenset(p for p, info in self.reads.announcers(group, round_, fresh=True).items()
                                 if isinstance(info.get("endpoint"), str) and not info.get("ahead"))
         manifest = self._pick(manifests, group, round_, outside)
         return self._remember(manifest) if manifest is not None else None
@@ -362,13 +361,13 @@ class ManifestAgreement:
         if manifest is None or manifest.leader not in settled:
             # A brief second look lets a lower-id leader's manifest that raced this one win everywhere.
             time.sleep(POLL_S * 2)
-            manifests = self.control.manifests(group, round_) or manifests
+            manifests = self.reads.manifests(group, round_, fresh=True) or manifests
             manifest = self._pick(manifests, group, round_, fallback)
         if manifest is None:
             raise CollectiveError(f"round {round_}: every manifest that counts was malformed")
         previous = self.trusted(group, round_)
         if (self.quorum and previous is not None
-                and self._solo_after_others(previous, manifest.members, self._live())):
+                and self._solo_after_others(previous, manifest.members, self.reads.live())):
             raise CollectiveError(f"round {round_}: a manifest naming only this peer after a round with others")
         self._remember(manifest)
         if self.me not in manifest.members:

@@ -39,9 +39,10 @@ from lowcomm.runtime.state_transfer import StateHolder
 from lowcomm.transport.addresses import grpc_endpoint
 from lowcomm.transport.control import ControlPlane
 from lowcomm.transport.identity import Identity, owner_marker_from_text, peer_id_of
+from lowcomm.transport.round_posts import RoundPosts
 from lowcomm.transport.signing import Signer
 from lowcomm.transport.service import PeerService
-from lowcomm.transport.wakeups import Wakes, WakeSender
+from lowcomm.transport.wakeups import POSTED_DHT_POLL_S, Wakes, WakeSender
 from lowcomm.transport.shaper import LinkShaper
 from lowcomm.transport.wire import Channels, Traffic, start_server
 
@@ -99,6 +100,7 @@ class PeerContext:
         self.holder = StateHolder(o.run_name, sync.chunk_bytes)
         self.service.state_handler = self.holder.serve
         self.wake_sender = WakeSender(self.channels, self.traffic)
+        self.service.posts = RoundPosts(o.run_name)
 
     def _serve_metrics(self) -> None:
         """Prometheus /metrics on --metrics-host:--metrics-port (runtime.metrics); its URL in a `metrics` event."""
@@ -117,7 +119,9 @@ class PeerContext:
 
     def wakes(self) -> Wakes:
         """What agreement waits on and wakes others with (transport.wakeups)."""
-        return Wakes(self.service.wakeups, self.wake_sender)
+        # a peer others cannot dial gets no posts: it reads the DHT at every look, as without them
+        return Wakes(self.service.wakeups, self.wake_sender, posts=self.service.posts, signer=self.signer,
+                     dht_poll_s=0.0 if self.client_mode else POSTED_DHT_POLL_S)
 
     def _admission(self) -> Admission:
         """Who this run admits (run.mode); NotAdmitted, saying what to do, when it is not this peer. With the

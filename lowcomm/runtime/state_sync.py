@@ -31,6 +31,7 @@ MAX_STATE_BYTES = 8 << 30
 FETCH_DEADLINE_S = 600.0  # a joiner's wait for a source (the run may not have started)
 STATE_WAIT_S = 120.0  # how long a source may hold a download back until it reaches the requested round
 ANCHOR_SLACK_S = 5.0  # beyond sync.announce_s, how long a download waits for the coordinator's anchor
+EMPTY_POLL_S = 0.5  # a joiner that sees no state source yet looks again after this (each look a DHT read)
 
 
 def resync_deadline_s(sync) -> float:
@@ -109,7 +110,7 @@ class StateSync:
                 settled = time.monotonic() - empty_since > 2 * self.config.sync.heartbeat_s
                 if min_round is None and any(r.state == "coordinator" for r in everyone.values()) and settled:
                     return False
-                time.sleep(0.2)
+                ctx.stop.wait(EMPTY_POLL_S)
                 continue
             empty_since = None
             if trainers and max(r.round for r in trainers) == 0 and not min_round:

@@ -333,19 +333,29 @@ class ControlPlane:
 
     # ---- rounds ------------------------------------------------------------------------------
 
-    def announce(self, group: str, round_: int, info: dict, ttl: float) -> None:
-        self._store(f"{self.run}.announce.{group}.{round_}", {"peer_id": self.identity.peer_id, **info}, ttl)
+    def announce(self, group: str, round_: int, info: dict, ttl: float) -> dict:
+        """Stores this peer's announcement for the round; the record stored (round posts send the same)."""
+        record = {"peer_id": self.identity.peer_id, **info}
+        self._store(f"{self.run}.announce.{group}.{round_}", record, ttl)
+        return record
 
     def announcers(self, group: str, round_: int) -> dict[str, dict]:
         return self._read(f"{self.run}.announce.{group}.{round_}")
 
-    def publish_manifest(self, group: str, round_: int, manifest: dict, ttl: float) -> None:
-        self._store(f"{self.run}.manifest.{group}.{round_}", {"peer_id": self.identity.peer_id,
-                                                             "manifest": json.dumps(manifest)}, ttl)
+    def publish_manifest(self, group: str, round_: int, manifest: dict, ttl: float) -> dict:
+        """Stores the manifest this peer wrote; the record stored (round posts send the same)."""
+        record = {"peer_id": self.identity.peer_id, "manifest": json.dumps(manifest)}
+        self._store(f"{self.run}.manifest.{group}.{round_}", record, ttl)
+        return record
 
     def manifests(self, group: str, round_: int) -> dict[str, dict]:
+        return self.parse_manifests(self._read(f"{self.run}.manifest.{group}.{round_}"))
+
+    def parse_manifests(self, records: dict[str, dict]) -> dict[str, dict]:
+        """writer -> manifest of the manifest records (the DHT's or posted) whose manifest names its writer
+        as leader; any other is dropped and counted."""
         out = {}
-        for writer, value in self._read(f"{self.run}.manifest.{group}.{round_}").items():
+        for writer, value in records.items():
             try:
                 manifest = json.loads(value["manifest"])
             except (KeyError, TypeError, ValueError):

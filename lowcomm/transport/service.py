@@ -19,8 +19,9 @@ GetState, which anyone may call (a joiner has no membership to prove), holds at 
 cannot starve the members' Reduce calls. A handler that raises `Overloaded` (its own per-sender
 cap) ends its call the same way.
 
-A Wake (transport.wakeups) is a hint with nothing to trust in it: a malformed one is refused and
-counted, a well-formed one at most makes a waiting agreement read the DHT sooner.
+A bare Wake (transport.wakeups) is a hint with nothing to trust in it: a malformed one is refused and
+counted, a well-formed one at most makes a waiting agreement read the DHT sooner. A Wake that carries
+a round post (transport.round_posts) is kept only once its writer's signature and record check out.
 
 A stage call passes the runtime's `stage_guard` first; a guard reports its own refusals (with the
 sender) and raises `Refused`, so each refused call is one `reject` event, not two. A stage serves
@@ -39,6 +40,7 @@ import grpc
 
 from lowcomm.proto import wire_pb2, wire_pb2_grpc
 from lowcomm.transport.addresses import ip_of, join_host_port, split_endpoint
+from lowcomm.transport.round_posts import PostRefused, RoundPosts
 from lowcomm.transport.wakeups import Wakeups, valid_wake
 from lowcomm.transport.wire import Channels, Traffic, context_deadline, deadline_after
 
@@ -112,6 +114,7 @@ class PeerService(wire_pb2_grpc.PeerServicer):
         self.max_waiting_calls = MAX_WAITING_CALLS
         self.on_error: Callable[[str, str], None] | None = None
         self.wakeups = Wakeups()  # what agreement waits on (transport.wakeups)
+        self.posts: RoundPosts | None = None  # the round records posted here (transport.round_posts)
 
     @property
     def errors(self) -> int:
@@ -269,10 +272,18 @@ class PeerService(wire_pb2_grpc.PeerServicer):
         return reply
 
     def Wake(self, request, context):
-        """A hint that a round's records changed (transport.wakeups): wakes this peer's wait on it, if any."""
+        """A round's record posted here, or a bare hint that its records changed (transport.wakeups): kept
+        if it checks out, and wakes this peer's wait on the round, if any."""
         deadline = context_deadline(context)
         self.traffic.count_received(request, deadline)
         refused = valid_wake(request)
+        if refused is None and request.kind:
+            try:
+                if self.posts is None:
+                    raise PostRefused("this peer takes no round posts")
+                self.posts.accept(request)
+            except PostRefused as e:
+                refused = str(e)
         if refused is not None:
             self._failed("Wake", ValueError(refused), context)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused)

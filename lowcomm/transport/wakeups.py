@@ -10,6 +10,10 @@ records it points at are signed and checked when read. So a stranger's wakes cos
 reads, and `Wakeups.wait` bounds those: it returns early at most once per `MIN_READ_S`. A wake for
 a round nobody here waits on is dropped, so wakes hold no memory. A peer out of reach (behind a
 NAT, a client-mode peer, a dead one) only loses the hint: it finds the records at its next poll.
+
+With round posts (transport.round_posts) the wake carries the record itself, signed: a writer posts
+its announcement or manifest to the peers that wait on it, agreement reads the posts at each wake,
+and the DHT only every `POSTED_DHT_POLL_S` (`Wakes.dht_due`) and before it decides without a peer.
 """
 
 from __future__ import annotations
@@ -18,11 +22,14 @@ import contextlib
 import logging
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
 from lowcomm.proto import wire_pb2
+from lowcomm.transport.round_posts import RoundPosts, post_request
+from lowcomm.transport.signing import Signer
 from lowcomm.transport.wire import Channels, Traffic, deadline_after
 
 logger = logging.getLogger(__name__)
@@ -31,6 +38,8 @@ MIN_READ_S = 0.05  # a waiter reads at most this often, however many wakes come 
 WAKE_TIMEOUT_S = 1.0  # one wake call; a peer that does not answer in time only loses the hint
 MAX_GROUP_CHARS = 256
 MAX_PENDING_WAKES = 256  # wakes queued to send at once; beyond that one is dropped (the poll covers it)
+POSTED_DHT_POLL_S = 2.0  # with round posts: how often a waiter reads the round's records from the DHT too
+DHT_READS_KEPT = 64  # the records (kind, group, round) whose last DHT read is remembered
 
 
 class Wakeups:
@@ -117,18 +126,21 @@ class WakeSender:
 
     def wake(self, endpoints, group: str, round_: int) -> None:
         """Wakes the peers at ``endpoints`` (those that are not strings, or empty, are skipped)."""
+        self.send(endpoints, wire_pb2.WakeRequest(group=group, round=round_))
+
+    def send(self, endpoints, request: wire_pb2.WakeRequest) -> None:
+        """Sends ``request`` (a bare wake or a round post) to the peers at ``endpoints``."""
         for endpoint in {e for e in endpoints if isinstance(e, str) and e}:
             if not self._pending.acquire(blocking=False):
                 self.dropped += 1
                 continue
             try:
-                self._pool.submit(self._send, endpoint, group, round_)
+                self._pool.submit(self._send, endpoint, request)
             except RuntimeError:  # shut down
                 self._pending.release()
                 return
 
-    def _send(self, endpoint: str, group: str, round_: int) -> None:
-        request = wire_pb2.WakeRequest(group=group, round=round_)
+    def _send(self, endpoint: str, request: wire_pb2.WakeRequest) -> None:
         deadline = deadline_after(WAKE_TIMEOUT_S)
         try:
             self.traffic.count_sent(request, deadline)
@@ -149,10 +161,18 @@ class WakeSender:
 
 
 class Wakes:
-    """What agreement uses: wait on a round (woken, else every ``poll_s``) and wake others on it."""
+    """What agreement uses: wait on a round (woken, else every ``poll_s``), wake others on it, and with
+    ``posts`` post its records to them and read theirs (``dht_poll_s``: how often the DHT is read as
+    well; 0 or less: at every look, as a peer that others cannot reach must)."""
 
-    def __init__(self, wakeups: Wakeups | None, sender: WakeSender | None, poll_s: float = FALLBACK_POLL_S):
+    def __init__(self, wakeups: Wakeups | None, sender: WakeSender | None, poll_s: float = FALLBACK_POLL_S,
+                 posts: RoundPosts | None = None, signer: Signer | None = None,
+                 dht_poll_s: float = POSTED_DHT_POLL_S):
         self.wakeups, self.sender, self.poll_s = wakeups, sender, poll_s
+        self.posts, self.signer = posts, signer
+        self.dht_poll_s = dht_poll_s if posts is not None else poll_s  # without posts every look reads the DHT
+        self._dht_reads: OrderedDict[tuple, float] = OrderedDict()
+        self._lock = threading.Lock()
 
     @classmethod
     def polling(cls, poll_s: float) -> "Wakes":
@@ -173,3 +193,34 @@ class Wakes:
     def wake(self, endpoints, group: str, round_: int) -> None:
         if self.sender is not None:
             self.sender.wake(endpoints, group, round_)
+
+    def post(self, endpoints, kind: str, group: str, round_: int, value: dict) -> None:
+        """Posts this peer's record ``value`` to the peers at ``endpoints`` and keeps it among its own
+        posts; without posts, a bare wake."""
+        if self.posts is None or self.signer is None:
+            self.wake(endpoints, group, round_)
+            return
+        self.posts.add(kind, group, round_, self.signer.peer_id, value)
+        if self.sender is not None:
+            self.sender.send(endpoints, post_request(self.signer, self.posts.run, kind, group, round_, value))
+
+    def posted(self, kind: str, group: str, round_: int) -> dict[str, dict]:
+        """writer -> the record of (kind, group, round) posted here ({} without posts)."""
+        return self.posts.records(kind, group, round_) if self.posts is not None else {}
+
+    def dht_due(self, kind: str, group: str, round_: int) -> bool:
+        """Whether a look at these records reads the DHT too: always without posts (or with ``dht_poll_s``
+        ≤ 0); with them once per ``dht_poll_s``, the first look a poll after the records' first look
+        (their posts come first)."""
+        if self.posts is None or self.dht_poll_s <= 0:
+            return True
+        key, now = (kind, group, int(round_)), time.monotonic()
+        with self._lock:
+            last = self._dht_reads.get(key)
+            if last is not None and now - last < self.dht_poll_s:
+                return False
+            self._dht_reads[key] = now
+            self._dht_reads.move_to_end(key)
+            while len(self._dht_reads) > DHT_READS_KEPT:
+                self._dht_reads.popitem(last=False)
+            return last is not None

@@ -1,0 +1,43 @@
+"""What agreement reads of a round: the records posted to this peer (transport.round_posts) and the DHT's.
+
+The posts are read at every look; the DHT when a look asks for it (``fresh``: before a round goes
+on without a peer, a second look at racing manifests, a reader outside the round) and otherwise
+once per `Wakes.dht_poll_s`, which also bounds how old the cached live peer records get. Without
+posts every look reads the DHT, as agreement did before round posts existed.
+"""
+
+from __future__ import annotations
+
+import time
+
+from lowcomm.transport.control import ControlPlane, PeerRecord
+from lowcomm.transport.round_posts import ANNOUNCE, MANIFEST, merge_announcements
+from lowcomm.transport.wakeups import Wakes
+
+
+class RoundReads:
+    def __init__(self, control: ControlPlane, wakes: Wakes):
+        self.control, self.wakes = control, wakes
+        self._records: tuple[float, dict[str, PeerRecord]] = (float("-inf"), {})  # (read at, live records)
+
+    def announcers(self, group: str, round_: int, fresh: bool = False) -> dict[str, dict]:
+        """peer -> its announcement of the round, the furthest along of its posted and stored ones;
+        withdrawn ones left out."""
+        posted = self.wakes.posted(ANNOUNCE, group, round_)
+        if fresh or self.wakes.dht_due(ANNOUNCE, group, round_):
+            return merge_announcements(self.control.announcers(group, round_), posted)
+        return merge_announcements(posted)
+
+    def manifests(self, group: str, round_: int, fresh: bool = False) -> dict[str, dict]:
+        """writer -> its manifest of the round, posted or stored."""
+        posted = self.wakes.posted(MANIFEST, group, round_)
+        out = self.control.parse_manifests(posted) if posted else {}
+        if fresh or self.wakes.dht_due(MANIFEST, group, round_):
+            out = {**out, **self.control.manifests(group, round_)}
+        return out
+
+    def live(self) -> dict[str, PeerRecord]:
+        """The live peer records, read again once older than a poll (a round's looks share one read)."""
+        if time.monotonic() - self._records[0] >= max(self.wakes.poll_s, self.wakes.dht_poll_s):
+            self._records = (time.monotonic(), self.control.live_peers())
+        return self._records[1]

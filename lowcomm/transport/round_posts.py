@@ -1,0 +1,115 @@
+"""Round records pushed over the data plane: a writer sends its announcement or manifest straight to the
+peers that wait on it, so a round settles without reading the DHT.
+
+A post is the same JSON record the writer stores in the DHT, with the same proof: the writer's key
+signs the whole message (run, group, round, kind and record, transport.signing.sign_message), that
+key must hash to the sender id, and the sender must be the record's ``peer_id``. So a post is trusted
+exactly as far as the DHT's copy, and agreement (collectives.manifest) merges the two: it reads the
+posts at every wake and the DHT only at a slow fallback poll, and once more before it leaves a peer
+out of a round.
+
+A replayed or reordered post changes nothing: an announcement only moves forward (announced ahead,
+then reached, then withdrawn) whatever order its posts arrive in, and a writer's manifest of a round
+is the first one it posted. The posts held are bounded: MAX_VALUE_BYTES each, MAX_POSTS_PER_ROUND
+writers per round and kind, MAX_ROUNDS rounds (the round first posted to is dropped first). A post
+that fails a check is refused with the reason (the service counts it, a `reject` event).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+
+from lowcomm.proto import wire_pb2
+from lowcomm.transport.signing import Signer, Unauthenticated, Verifier, sign_message, verify_message
+
+ANNOUNCE, MANIFEST = "announce", "manifest"
+KINDS = (ANNOUNCE, MANIFEST)
+SIGNED_KIND = "round-post"  # what the signature's kind field says (transport.signing.signed_bytes)
+MAX_VALUE_BYTES = 256 * 1024  # a manifest of ~2,000 members
+MAX_POSTS_PER_ROUND = 4096
+MAX_ROUNDS = 64
+MAX_GROUP_CHARS = 256
+
+
+class PostRefused(ValueError):
+    """A post that is malformed, oversized, for another run, or not signed by its writer."""
+
+
+def announcement_rank(value: dict) -> int:
+    """How far along an announcement is: 0 announced ahead, 1 reached the round, 2 withdrawn."""
+    return 2 if value.get("gone") else 0 if value.get("ahead") else 1
+
+
+def merge_announcements(*sources: dict[str, dict]) -> dict[str, dict]:
+    """peer -> its announcement furthest along among ``sources`` (the DHT's, the posted), withdrawn ones left out."""
+    out: dict[str, dict] = {}
+    for source in sources:
+        for peer, value in source.items():
+            if peer not in out or announcement_rank(value) > announcement_rank(out[peer]):
+                out[peer] = value
+    return {peer: value for peer, value in out.items() if not value.get("gone")}
+
+
+def post_request(signer: Signer, run: str, kind: str, group: str, round_: int, value: dict) -> wire_pb2.WakeRequest:
+    """The signed post of ``value`` (a record whose ``peer_id`` is the signer's)."""
+    text = json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+    request = wire_pb2.WakeRequest(group=group, round=round_, kind=kind, run=run, sender=signer.peer_id, value=text)
+    sign_message(signer, SIGNED_KIND, request)
+    return request
+
+
+class RoundPosts:
+    """The round records posted to this peer (and its own), by (kind, group, round) and writer."""
+
+    def __init__(self, run: str):
+        self.run = run
+        self.verifier = Verifier()
+        self._lock = threading.Lock()
+        self._rounds: OrderedDict[tuple[str, str, int], dict[str, dict]] = OrderedDict()
+        self.accepted = 0
+
+    def accept(self, request) -> tuple[str, int]:
+        """Checks a posted record and keeps it; its (group, round). PostRefused says why one is refused."""
+        if request.kind not in KINDS:
+            raise PostRefused(f"a round post of unknown kind {request.kind[:32]!r}")
+        if request.run != self.run:
+            raise PostRefused(f"a round post for run {request.run[:64]!r}, not this run")
+        if len(request.group) > MAX_GROUP_CHARS or not request.group.isprintable():
+            raise PostRefused(f"a round post's group is not a printable name of at most {MAX_GROUP_CHARS} characters")
+        if len(request.value) > MAX_VALUE_BYTES:
+            raise PostRefused(f"a round post of {len(request.value)} bytes (at most {MAX_VALUE_BYTES})")
+        try:
+            verify_message(self.verifier, SIGNED_KIND, request)
+        except Unauthenticated as e:
+            raise PostRefused(str(e)) from None
+        try:
+            value = json.loads(request.value)
+        except (UnicodeDecodeError, ValueError):
+            raise PostRefused("a round post whose record is not JSON") from None
+        if not isinstance(value, dict) or value.get("peer_id") != request.sender:
+            raise PostRefused("a round post whose record is not its sender's")
+        self.add(request.kind, request.group, request.round, request.sender, value)
+        return request.group, request.round
+
+    def add(self, kind: str, group: str, round_: int, writer: str, value: dict) -> None:
+        """Keeps ``writer``'s record (already checked, or this peer's own)."""
+        key = (kind, group, int(round_))
+        with self._lock:
+            posts = self._rounds.get(key)
+            if posts is None:
+                posts = self._rounds[key] = {}
+                while len(self._rounds) > MAX_ROUNDS:
+                    self._rounds.popitem(last=False)
+            held = posts.get(writer)
+            if held is None and len(posts) >= MAX_POSTS_PER_ROUND:
+                raise PostRefused(f"round {round_} holds {MAX_POSTS_PER_ROUND} posts already")
+            if held is None or (kind == ANNOUNCE and announcement_rank(value) > announcement_rank(held)):
+                posts[writer] = value
+            self.accepted += 1
+
+    def records(self, kind: str, group: str, round_: int) -> dict[str, dict]:
+        """writer -> record posted for (kind, group, round); withdrawn announcements included."""
+        with self._lock:
+            return dict(self._rounds.get((kind, group, int(round_)), {}))
