@@ -1,9 +1,9 @@
 """Round membership: peers announce for a round in the DHT and follow one manifest written by a leader.
 
 A writer also posts its announcement and manifest to the peers that wait on them (transport.round_posts);
-waits read the posts when woken and the DHT seldom (collectives.round_reads). With `sync.max_contributors` = G > 0 the manifest bounds the fan-in:
-only the first G members in the order of sha256(run ‖ group ‖ round ‖ peer id) (a rotation across
-rounds) send contributions; the others receive the aggregate without adding to it.
+waits read the posts when woken and the DHT seldom (collectives.round_reads). With `sync.max_contributors`
+= G > 0, only the first G members in the order of sha256(run ‖ group ‖ round ‖ peer id) (a rotation
+across rounds) send contributions; the others receive the aggregate without adding to it.
 
 The leader is the lowest peer id among the announcers that reached the round, the members of the
 previous manifest first; if its manifest does not appear within `manifest_s`, the next candidate
@@ -17,8 +17,8 @@ a shard (client-mode peers own none), and how many consecutive rounds it covers 
 epoch, so per-step algorithms do not touch the DHT every step).
 
 ``admits(peer_id)`` (the run's mode, runtime.admission) says who may be a member at all: the leader
-leaves announcers it refuses out of the manifest, they are never candidate leaders nor waited for,
-and a manifest written by such a peer, or naming one, is refused (each a `reject` event).
+leaves those it refuses out, they are never candidate leaders nor waited for, and a manifest written
+by or naming one is refused (each a `reject` event).
 
 With ``quorum`` (training peers; docs/round-protocol.md, Decision 27) a peer writes a manifest only
 once a majority of the previous manifest's members still live in the DHT (a killed peer's record
@@ -279,8 +279,7 @@ class ManifestAgreement:
         standing = previous & live
         present = standing & set(members)
         if standing and 2 * len(present) <= len(standing):
-            return (f"{len(present)} of the previous round's {len(standing)} live members reached it, "
-                    "not a majority")
+            return f"{len(present)} of the previous round's {len(standing)} live members reached it, not a majority"
         return None
 
     def _solo_after_others(self, previous: frozenset[str], members, records: dict) -> bool:
@@ -330,21 +329,23 @@ class ManifestAgreement:
         return members
 
     def _publish(self, group, round_, epoch_rounds, codec, announcers, ttl) -> None:
+        """Writes the manifest (owners: members that reached the round) for the members and the coordinator."""
         members = self._members(group, round_, announcers)
-        # Owners: the members that reached the round (the writer among them), not those announced ahead.
         owners = [p for p in members if not announcers[p].get("client_mode") and not announcers[p].get("ahead")]
         manifest = Manifest(self.control.run, group, round_, epoch_rounds, self.me, members,
                             {p: announcers[p]["endpoint"] for p in members}, owners, codec,
                             bounded_fan_in(self.control.run, group, round_, members, self.sync.max_contributors))
         record = self.control.publish_manifest(group, round_, manifest.to_dict(), ttl)
-        self.wakes.post([manifest.endpoints[p] for p in members if p != self.me], MANIFEST, group, round_, record)
+        coordinator = [r.endpoint for r in self.reads.live().values() if r.state in ("coordinator", "holder")]
+        self.wakes.post([manifest.endpoints[p] for p in members if p != self.me] + coordinator, MANIFEST, group,
+                        round_, record)
         logger.info("round %d: wrote the manifest for %d members", round_, len(members))
 
-    def read(self, group: str, round_: int, fallback: bool = False) -> Manifest | None:
+    def read(self, group: str, round_: int, fallback: bool = False, fresh: bool = True) -> Manifest | None:
         """The manifest every member of the round follows (this peer a member or not); None if none yet.
         With ``fallback`` (a reader that saw the run move past the round), a writer outside the previous
         members counts too if it announced that it reached the round (all previous members gone)."""
-        manifests = self.reads.manifests(group, round_, fresh=True)
+        manifests = self.reads.manifests(group, round_, fresh=fresh)
         if not manifests:
             return None
         outside = frozenset()

@@ -39,7 +39,9 @@ from lowcomm.runtime.state_transfer import Snapshot, StateError, StateHolder, do
 from lowcomm.transport.addresses import grpc_endpoint
 from lowcomm.transport.control import ControlPlane, PeerRecord
 from lowcomm.transport.identity import Identity
+from lowcomm.transport.round_posts import RoundPosts
 from lowcomm.transport.service import PeerService
+from lowcomm.transport.wakeups import Wakes
 from lowcomm.transport.wire import Channels, Traffic, start_server
 
 logger = logging.getLogger(__name__)
@@ -67,6 +69,7 @@ class Coordinator:
         self.last_checkpoint_at = time.monotonic()  # checkpoint.every_s counts from here
         self.follower: RoundFollower | None = None  # from the first loop on, for runs whose replicas share φ
         self._first_round = 0
+        self._records: tuple[float, dict[str, PeerRecord]] = (float("-inf"), {})  # (read at, live records)
         self.refused_checkpoints = 0  # downloaded states whose φ was not the round's agreed one
         self._refused_sources: set[str] = set()  # not asked again until a checkpoint is kept
         self._pending: tuple[Snapshot, str, float] | None = None  # (state, source, give up at): awaits its anchor
@@ -104,6 +107,7 @@ class Coordinator:
         self.service = PeerService(self.identity.peer_id, self.traffic, self.channels)
         self.holder = StateHolder(run, self.config.sync.chunk_bytes)
         self.service.state_handler = self.holder.serve
+        self.service.posts = RoundPosts(run)  # the manifests the rounds' leaders post here (transport.round_posts)
         self.service.max_waiting_calls = 12  # of 16 server threads: Ping always finds one
         self.server, grpc_port = start_server(self.service, self.host, self.port, self.config.sync.chunk_bytes,
                                               max_workers=16)
@@ -134,7 +138,8 @@ class Coordinator:
             return None
         sync = self.config.sync
         agreement = ManifestAgreement(self.control, sync, endpoint="", admits=self.admission.admits,
-                                      on_event=lambda kind, **fields: logger.info("%s %s", kind, fields))
+                                      on_event=lambda kind, **fields: logger.info("%s %s", kind, fields),
+                                      wakes=Wakes(None, None, FOLLOW_S, posts=self.service.posts))
         return RoundFollower(self.control, agreement, GroupKey(run).group, settle_s=sync.announce_s,
                              ttl=sync.record_ttl_s * 6, vote_every=algo.epoch_rounds(self.config), start=start)
 
@@ -161,9 +166,9 @@ class Coordinator:
                     refresh_at = time.monotonic() + 60
                 self._follow_rounds()  # often: a joiner waits for the anchor of the round it downloads
                 self._maybe_checkpoint()
-                if time.monotonic() >= beat_at:
+                if time.monotonic() >= beat_at:  # a record that seldom changes: refreshed at a third of its life
                     self.control.publish_peer(self.record, self.config.sync.record_ttl_s)
-                    beat_at = time.monotonic() + self.config.sync.heartbeat_s
+                    beat_at = time.monotonic() + self.config.sync.record_ttl_s / 3
             except Exception as e:  # keep serving; a failed checkpoint is retried next time
                 logger.warning("coordinator loop: %s", e)
         self.shutdown()
@@ -173,8 +178,9 @@ class Coordinator:
             self.follower = self._follower(self.config.run.name, self._first_round)
         if self.follower is None:
             return
-        training = [r for r in self.control.live_peers().values()
-                    if r.state == "training" and self.admission.admits(r.peer_id)]
+        if time.monotonic() - self._records[0] >= self.config.sync.heartbeat_s:  # as fresh as a heartbeat
+            self._records = (time.monotonic(), self.control.live_peers())
+        training = [r for r in self._records[1].values() if r.state == "training" and self.admission.admits(r.peer_id)]
         for anchor in self.follower.tick(max((r.round for r in training), default=0), {r.peer_id for r in training}):
             logger.info("round %d: agreed φ hash %s of %d members", anchor.round, anchor.phi_hash, len(anchor.members))
 

@@ -7,6 +7,12 @@ publishes the stats its records add up to (runtime.peer_stats), under their own 
 pages. A record expires `sync.record_ttl_s`
 after its last heartbeat, so a killed peer vanishes by itself; a peer that leaves expires it at
 once and withdraws the round it announced ahead, so that round's leader need not wait for it.
+
+With ``quiet`` (the data-parallel peers: nobody acts on their step, loss or throughput, only on where
+they are and in which round) a heartbeat stores the record only when a field others act on
+changed (`acted_on`) or half its lifetime passed since it was last stored; the status pages' numbers
+are then up to that old. Stage peers (quiet off) store every heartbeat: their routes weigh the
+throughput and count the steps.
 """
 
 from __future__ import annotations
@@ -26,8 +32,11 @@ STATS_EVERY = 5  # heartbeats between two publications of the stats (10 s at the
 
 
 class Membership:
-    def __init__(self, ctx: PeerContext, record: PeerRecord, fill: Callable[[PeerRecord], None] = lambda r: None):
+    def __init__(self, ctx: PeerContext, record: PeerRecord, fill: Callable[[PeerRecord], None] = lambda r: None,
+                 quiet: bool = False):
         self.ctx = ctx
+        self.quiet = quiet
+        self._stored: tuple[float, tuple] = (float("-inf"), ())  # (when, acted_on) of the last record stored
         self.record = record
         record.token = ctx.options.token or ""  # token runs: every peer checks it before counting this one
         record.link = str(ctx.options.link) if ctx.options.link is not None else ""
@@ -41,7 +50,7 @@ class Membership:
         def beat():
             beats = 0
             while not self._stop.wait(self.ctx.config.sync.heartbeat_s):
-                self.publish()
+                self.publish(beat=True)
                 beats += 1
                 if beats % STATS_EVERY == 0:
                     self.publish_stats()
@@ -49,10 +58,16 @@ class Membership:
         self.publish_stats()
         threading.Thread(target=beat, daemon=True, name="heartbeat").start()
 
-    def publish(self) -> None:
+    def publish(self, beat: bool = False) -> None:
+        """Stores the record; a quiet peer's heartbeat (``beat``) only when it must (the module says when)."""
+        ttl = self.ctx.config.sync.record_ttl_s
         try:
             self.fill(self.record)
-            self.ctx.control.publish_peer(self.record, self.ctx.config.sync.record_ttl_s)
+            now, seen = time.monotonic(), acted_on(self.record)
+            if beat and self.quiet and seen == self._stored[1] and now - self._stored[0] < ttl / 2:
+                return
+            self.ctx.control.publish_peer(self.record, ttl)
+            self._stored = (now, seen)
         except Exception as e:  # a heartbeat must never kill training
             logger.warning("heartbeat failed: %s", e)
 
@@ -100,3 +115,9 @@ class Membership:
                 raise RuntimeError(f"start barrier {start_file} never appeared")
             self.ctx.stop.wait(0.05)
         self.set(state="joining")  # at once: the first round waits for every peer whose record is due
+
+
+def acted_on(record: PeerRecord) -> tuple:
+    """The fields of a record other peers and the coordinator act on (where it is, what it does, its round)."""
+    return (record.endpoint, record.state, record.round, record.client_mode, record.stage, record.stage_state,
+            record.rollback_to, record.rollback_at, record.token, record.device, record.link)

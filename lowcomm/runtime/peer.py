@@ -95,7 +95,7 @@ class TrainingPeer:
         record = PeerRecord(ctx.me, ctx.endpoint, "parked" if o.start_file is not None else "joining",
                             device_label(device),
                             client_mode=ctx.client_mode)
-        self.membership = Membership(ctx, record, fill=self._fill_record)
+        self.membership = Membership(ctx, record, fill=self._fill_record, quiet=True)
         self.key = GroupKey(o.run_name)
         self.algorithm = algorithm(config.run.algo)
         # quorum: a peer cut off from the swarm fails its rounds instead of training alone (Decision 27)

@@ -103,7 +103,8 @@ class RoundFollower:
         for _ in range(WALK_BUDGET):
             round_ = self.next_manifest
             passed = newest > round_ + 1  # the run is past it: a manifest of it is written, if it has one
-            if self.agreement.read(self.group, round_, fallback=passed) is None and not passed:
+            # posted by the round's leader, else from the DHT at its poll; once the run is past it, from the DHT
+            if self.agreement.read(self.group, round_, fallback=passed, fresh=passed) is None and not passed:
                 return  # not written yet
             self.next_manifest = round_ + 1  # none at all: a round inside an epoch, or one that failed
 

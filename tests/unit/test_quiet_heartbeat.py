@@ -1,0 +1,60 @@
+"""A quiet peer's heartbeat (runtime.membership): it stores its DHT record only when a field others act on
+changed or half the record's lifetime passed; a stage peer's (not quiet) stores at every beat, and a
+state change is stored at once either way."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from lowcomm.runtime import membership
+from lowcomm.runtime.membership import Membership
+from lowcomm.transport.control import PeerRecord
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def peer(quiet: bool, monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(membership.time, "monotonic", clock)
+    stored = []
+    ctx = SimpleNamespace(config=SimpleNamespace(sync=SimpleNamespace(heartbeat_s=2.0, record_ttl_s=10.0)),
+                          control=SimpleNamespace(publish_peer=lambda record, ttl: stored.append((record.round, record.step))),
+                          options=SimpleNamespace(token=None, link=None), log=SimpleNamespace(event=lambda *a, **k: None))
+    record = PeerRecord("p", "10.0.0.1:5000", state="training")
+    return Membership(ctx, record, quiet=quiet), record, clock, stored
+
+
+def test_a_quiet_heartbeat_stores_only_what_others_act_on_or_at_half_the_lifetime(monkeypatch):
+    member, record, clock, stored = peer(True, monkeypatch)
+    member.publish()  # the first store
+    for step in range(1, 3):  # the step and loss move; nothing others act on does
+        clock.now += 2.0
+        record.step, record.loss = step, 3.0 - step / 10
+        member.publish(beat=True)
+    assert stored == [(0, 0)]
+    clock.now += 2.0
+    record.round = 1  # a new round: stored at the next beat
+    member.publish(beat=True)
+    assert stored == [(0, 0), (1, 2)]
+    clock.now += 4.9
+    member.publish(beat=True)
+    assert len(stored) == 2
+    clock.now += 0.1  # half of the 10 s lifetime since the last store
+    member.publish(beat=True)
+    assert stored[-1] == (1, 2) and len(stored) == 3
+    member.set(state="joining")  # a state change: stored at once
+    assert len(stored) == 4
+
+
+def test_a_stage_peers_heartbeat_stores_every_beat(monkeypatch):
+    member, record, clock, stored = peer(False, monkeypatch)
+    for _ in range(3):
+        clock.now += 2.0
+        member.publish(beat=True)
+    assert len(stored) == 3
