@@ -115,9 +115,8 @@ class ManifestAgreement:
     # ---- which writers count --------------------------------------------------------------------
 
     def learn(self, group: str, round_: int, members) -> None:
-        """Remembers the members of the manifest that starts at ``round_``: the next manifest counts only
-        from one of them. A followed manifest is remembered by itself; a joiner learns its first from
-        the anchor its state was checked against (runtime.round_anchor)."""
+        """Remembers the members of the manifest that starts at ``round_``: the next one counts only from
+        one of them. A followed manifest is learnt so; a joiner's first from its anchor (runtime.round_anchor)."""
         known = [k for k in self._known.get(group, []) if k[0] != round_] + [(round_, frozenset(members))]
         self._known[group] = sorted(known)[-KNOWN_MANIFESTS:]
 
@@ -126,10 +125,6 @@ class ManifestAgreement:
         start before it; None when none is known (every writer counts)."""
         before = [members for first, members in self._known.get(group, []) if first < round_]
         return before[-1] if before else None
-
-    def _remember(self, manifest: Manifest) -> Manifest:
-        self.learn(manifest.group, manifest.round, manifest.members)
-        return manifest
 
     def _pick(self, manifests: dict[str, dict], group: str, round_: int,
               fallback: frozenset[str] = frozenset()) -> Manifest | None:
@@ -192,11 +187,14 @@ class ManifestAgreement:
         self._announce(group, round_, {"endpoint": None, "gone": True})  # readers drop it
 
     def _announce(self, group: str, round_: int, info: dict) -> None:
-        """Stores the announcement, and posts it to the live peers due in the group (cached records)."""
-        record = self.control.announce(group, round_, info, self._ttl)
-        self.wakes.post([rec.endpoint for p, rec in self.reads.live().items() if p != self.me and self.admits(p)
-                         and rec.state in ("training", "joining") and self.due_in_group(group, rec)],
-                        ANNOUNCE, group, round_, record)
+        """Posts it to the live peers due in the group, and stores it (one ahead: only if one of them takes no posts)."""
+        due = {p: rec for p, rec in self.reads.live().items() if p != self.me and self.admits(p)
+               and rec.state in ("training", "joining") and self.due_in_group(group, rec)}
+        if info.get("ahead") and self.wakes.posting and not any(rec.client_mode for rec in due.values()):
+            record = self.control.record(info)
+        else:
+            record = self.control.announce(group, round_, info, self._ttl)
+        self.wakes.post([rec.endpoint for rec in due.values()], ANNOUNCE, group, round_, record)
 
     def agree(self, group: str, round_: int, epoch_rounds: int, codec: str,
               suspects: frozenset[str] = frozenset()) -> Manifest:
@@ -353,7 +351,9 @@ class ManifestAgreement:
             outside = frozenset(p for p, info in self.reads.announcers(group, round_, fresh=True).items()
                                 if isinstance(info.get("endpoint"), str) and not info.get("ahead"))
         manifest = self._pick(manifests, group, round_, outside)
-        return self._remember(manifest) if manifest is not None else None
+        if manifest is not None:
+            self.learn(group, round_, manifest.members)
+        return manifest
 
     def _follow(self, manifests: dict[str, dict], group: str, round_: int, fallback: frozenset[str],
                 settled: list[str] = ()) -> Manifest:
@@ -370,7 +370,7 @@ class ManifestAgreement:
         if (self.quorum and previous is not None
                 and self._solo_after_others(previous, manifest.members, self.reads.live())):
             raise CollectiveError(f"round {round_}: a manifest naming only this peer after a round with others")
-        self._remember(manifest)
+        self.learn(group, round_, manifest.members)
         if self.me not in manifest.members:
             raise NotInRound(f"round {round_}: this peer is not in the manifest (announced too late)", manifest)
         return manifest

@@ -28,7 +28,7 @@ from lowcomm.transport.control import PeerRecord
 
 logger = logging.getLogger(__name__)
 START_BARRIER_S = 3600.0
-STATS_EVERY = 5  # heartbeats between two publications of the stats (10 s at the default heartbeat_s)
+STATS_EVERY = 15  # heartbeats between two publications of the stats (30 s at the default heartbeat_s)
 
 
 class Membership:

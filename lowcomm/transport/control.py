@@ -333,9 +333,13 @@ class ControlPlane:
 
     # ---- rounds ------------------------------------------------------------------------------
 
+    def record(self, fields: dict) -> dict:
+        """A record of this peer's holding ``fields`` (round posts send the records the DHT would hold)."""
+        return {"peer_id": self.identity.peer_id, **fields}
+
     def announce(self, group: str, round_: int, info: dict, ttl: float) -> dict:
-        """Stores this peer's announcement for the round; the record stored (round posts send the same)."""
-        record = {"peer_id": self.identity.peer_id, **info}
+        """Stores this peer's announcement for the round; the record stored."""
+        record = self.record(info)
         self._store(f"{self.run}.announce.{group}.{round_}", record, ttl)
         return record
 

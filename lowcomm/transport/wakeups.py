@@ -197,12 +197,17 @@ class Wakes:
     def post(self, endpoints, kind: str, group: str, round_: int, value: dict) -> None:
         """Posts this peer's record ``value`` to the peers at ``endpoints`` and keeps it among its own
         posts; without posts, a bare wake."""
-        if self.posts is None or self.signer is None:
+        if not self.posting:
             self.wake(endpoints, group, round_)
             return
         self.posts.add(kind, group, round_, self.signer.peer_id, value)
         if self.sender is not None:
             self.sender.send(endpoints, post_request(self.signer, self.posts.run, kind, group, round_, value))
+
+    @property
+    def posting(self) -> bool:
+        """Whether this peer posts its round records (and takes others')."""
+        return self.posts is not None and self.signer is not None
 
     def posted(self, kind: str, group: str, round_: int) -> dict[str, dict]:
         """writer -> the record of (kind, group, round) posted here ({} without posts)."""

@@ -131,8 +131,11 @@ class PostingControl(MemoryControl):
         super().__init__(*args)
         self.reads = Counter()
 
+    def record(self, info):
+        return {"peer_id": self.identity.peer_id, **info}
+
     def announce(self, group, round_, info, ttl):
-        value = {"peer_id": self.identity.peer_id, **info}
+        value = self.record(info)
         self._put(("announce", group, round_), value)
         return value
 
@@ -197,3 +200,22 @@ def test_four_peers_agree_from_posts_alone(signers):
     assert all(m is not None and m.leader == ids[0] and m.members == ids for m in results)
     for control in controls:  # one read of the live records; no announcement nor manifest read from the DHT
         assert control.reads == Counter(peers=1), control.reads
+
+
+def test_an_announcement_ahead_is_posted_not_stored_unless_a_due_peer_takes_no_posts(signers):
+    ids = sorted(s.peer_id for s in signers[:2])
+    by_id = {s.peer_id: s for s in signers}
+    boards = {f"{p}:1": (RoundPosts("run"), Wakeups()) for p in ids}
+    store, live = {}, {p: PeerRecord(p, f"{p}:1", state="training", round=5) for p in ids}
+    me, other = ids
+    wakes = Wakes(boards[f"{me}:1"][1], Delivery(boards), posts=boards[f"{me}:1"][0], signer=by_id[me])
+    agreement = ManifestAgreement(PostingControl(me, store, live), SyncConfig(), f"{me}:1", wakes=wakes)
+    agreement.announce("0-0", 6, ahead=True)
+    assert ("announce", "0-0", 6) not in store  # posted only: the round's leader hears of it so
+    assert boards[f"{other}:1"][0].records(ANNOUNCE, "0-0", 6)[me]["ahead"] is True
+    agreement.announce("0-0", 6)  # reaching the round: stored and posted
+    assert store[("announce", "0-0", 6)][me].get("ahead") is None
+    live[other] = PeerRecord(other, f"{other}:1", state="training", round=5, client_mode=True)
+    agreement.reads._records = (float("-inf"), {})  # read the records again
+    agreement.announce("0-0", 7, ahead=True)  # a due peer others cannot post to: the DHT holds it too
+    assert store[("announce", "0-0", 7)][me]["ahead"] is True
