@@ -188,13 +188,11 @@ class ManifestAgreement:
 
     def _announce(self, group: str, round_: int, info: dict) -> None:
         """Posts it to the live peers due in the group, and stores it (one ahead: only if one of them takes no posts)."""
-        due = {p: rec for p, rec in self.reads.live().items() if p != self.me and self.admits(p)
-               and rec.state in ("training", "joining") and self.due_in_group(group, rec)}
-        if info.get("ahead") and self.wakes.posting and not any(rec.client_mode for rec in due.values()):
-            record = self.control.record(info)
-        else:
-            record = self.control.announce(group, round_, info, self._ttl)
-        self.wakes.post([rec.endpoint for rec in due.values()], ANNOUNCE, group, round_, record)
+        due = [rec for p, rec in self.reads.live().items() if p != self.me and self.admits(p)
+               and rec.state in ("training", "joining") and self.due_in_group(group, rec)]
+        posted_only = info.get("ahead") and self.wakes.posting and not any(rec.client_mode for rec in due)
+        self.wakes.publish([rec.endpoint for rec in due], ANNOUNCE, group, round_, self.control.record(info),
+                           store=None if posted_only else lambda: self.control.announce(group, round_, info, self._ttl))
 
     def agree(self, group: str, round_: int, epoch_rounds: int, codec: str,
               suspects: frozenset[str] = frozenset()) -> Manifest:
@@ -333,10 +331,10 @@ class ManifestAgreement:
         manifest = Manifest(self.control.run, group, round_, epoch_rounds, self.me, members,
                             {p: announcers[p]["endpoint"] for p in members}, owners, codec,
                             bounded_fan_in(self.control.run, group, round_, members, self.sync.max_contributors))
-        record = self.control.publish_manifest(group, round_, manifest.to_dict(), ttl)
         coordinator = [r.endpoint for r in self.reads.live().values() if r.state in ("coordinator", "holder")]
-        self.wakes.post([manifest.endpoints[p] for p in members if p != self.me] + coordinator, MANIFEST, group,
-                        round_, record)
+        self.wakes.publish([manifest.endpoints[p] for p in members if p != self.me] + coordinator, MANIFEST, group,
+                           round_, self.control.manifest_record(manifest.to_dict()),
+                           store=lambda: self.control.publish_manifest(group, round_, manifest.to_dict(), ttl))
         logger.info("round %d: wrote the manifest for %d members", round_, len(members))
 
     def read(self, group: str, round_: int, fallback: bool = False, fresh: bool = True) -> Manifest | None:

@@ -337,20 +337,17 @@ class ControlPlane:
         """A record of this peer's holding ``fields`` (round posts send the records the DHT would hold)."""
         return {"peer_id": self.identity.peer_id, **fields}
 
-    def announce(self, group: str, round_: int, info: dict, ttl: float) -> dict:
-        """Stores this peer's announcement for the round; the record stored."""
-        record = self.record(info)
-        self._store(f"{self.run}.announce.{group}.{round_}", record, ttl)
-        return record
+    def announce(self, group: str, round_: int, info: dict, ttl: float) -> None:
+        self._store(f"{self.run}.announce.{group}.{round_}", self.record(info), ttl)
 
     def announcers(self, group: str, round_: int) -> dict[str, dict]:
         return self._read(f"{self.run}.announce.{group}.{round_}")
 
-    def publish_manifest(self, group: str, round_: int, manifest: dict, ttl: float) -> dict:
-        """Stores the manifest this peer wrote; the record stored (round posts send the same)."""
-        record = {"peer_id": self.identity.peer_id, "manifest": json.dumps(manifest)}
-        self._store(f"{self.run}.manifest.{group}.{round_}", record, ttl)
-        return record
+    def manifest_record(self, manifest: dict) -> dict:
+        return self.record({"manifest": json.dumps(manifest)})
+
+    def publish_manifest(self, group: str, round_: int, manifest: dict, ttl: float) -> None:
+        self._store(f"{self.run}.manifest.{group}.{round_}", self.manifest_record(manifest), ttl)
 
     def manifests(self, group: str, round_: int) -> dict[str, dict]:
         return self.parse_manifests(self._read(f"{self.run}.manifest.{group}.{round_}"))

@@ -194,15 +194,20 @@ class Wakes:
         if self.sender is not None:
             self.sender.wake(endpoints, group, round_)
 
-    def post(self, endpoints, kind: str, group: str, round_: int, value: dict) -> None:
-        """Posts this peer's record ``value`` to the peers at ``endpoints`` and keeps it among its own
-        posts; without posts, a bare wake."""
+    def publish(self, endpoints, kind: str, group: str, round_: int, record: dict, store=None) -> None:
+        """Makes this peer's round ``record`` known to the peers at ``endpoints``: posted (and kept among its
+        own posts), then ``store()``d in the DHT, as the post arrives sooner; without posts, stored and then
+        a bare wake (the woken read the DHT)."""
         if not self.posting:
+            if store is not None:
+                store()
             self.wake(endpoints, group, round_)
             return
-        self.posts.add(kind, group, round_, self.signer.peer_id, value)
+        self.posts.add(kind, group, round_, self.signer.peer_id, record)
         if self.sender is not None:
-            self.sender.send(endpoints, post_request(self.signer, self.posts.run, kind, group, round_, value))
+            self.sender.send(endpoints, post_request(self.signer, self.posts.run, kind, group, round_, record))
+        if store is not None:
+            store()
 
     @property
     def posting(self) -> bool:

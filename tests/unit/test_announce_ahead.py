@@ -21,6 +21,12 @@ class MemoryControl:
         self.identity = type("Identity", (), {"peer_id": me})()
         self.polls = 0
 
+    def record(self, info):
+        return {"peer_id": self.identity.peer_id, **info}
+
+    def manifest_record(self, manifest):
+        return manifest
+
     def announce(self, group, round_, info, ttl):
         self.store.setdefault(("announce", group, round_), {})[self.identity.peer_id] = dict(info)
 

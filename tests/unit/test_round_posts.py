@@ -131,13 +131,8 @@ class PostingControl(MemoryControl):
         super().__init__(*args)
         self.reads = Counter()
 
-    def record(self, info):
-        return {"peer_id": self.identity.peer_id, **info}
-
     def announce(self, group, round_, info, ttl):
-        value = self.record(info)
-        self._put(("announce", group, round_), value)
-        return value
+        self._put(("announce", group, round_), self.record(info))
 
     def announcers(self, group, round_):
         self.reads["announce"] += 1
@@ -147,10 +142,11 @@ class PostingControl(MemoryControl):
         self.reads["peers"] += 1
         return super().live_peers()
 
+    def manifest_record(self, manifest):
+        return self.record({"manifest": json.dumps(manifest)})
+
     def publish_manifest(self, group, round_, manifest, ttl):
-        value = {"peer_id": self.identity.peer_id, "manifest": json.dumps(manifest)}
-        self._put(("manifest", group, round_), value)
-        return value
+        self._put(("manifest", group, round_), self.manifest_record(manifest))
 
     def manifests(self, group, round_):
         self.reads["manifest"] += 1

@@ -47,6 +47,12 @@ class MemoryControl:
     def _put(self, key, value):
         self.store.setdefault(key, {})[self.identity.peer_id] = value
 
+    def record(self, info):
+        return {"peer_id": self.identity.peer_id, **info}
+
+    def manifest_record(self, manifest):
+        return manifest
+
     def announce(self, group, round_, info, ttl):
         self._put(("announce", group, round_), dict(info))
 
