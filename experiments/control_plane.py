@@ -94,7 +94,20 @@ def figures(report: dict, records: list[dict]) -> dict:
             "nodes": nodes, "lifetime_s": lifetime_s,
             "control_bytes_per_node_s": control / nodes / lifetime_s if control is not None and nodes else None,
             "manifest_s_mean": statistics.mean(manifest) if manifest else None,
+            "agreement_s": agreement_s(records),
             "control_calls": report.get("control_calls") or {}, "wall_s": report["wall_s"]}
+
+
+def agreement_s(records: list[dict]) -> float | None:
+    """The median over the rounds every peer recorded of the shortest wait for the manifest: the last peer
+    to reach a round finds every other one waiting, so its wait is the agreement itself."""
+    waits: dict[int, list[float]] = {}
+    for r in records:
+        if r.get("manifest_s") is not None:
+            waits.setdefault(r["round"], []).append(r["manifest_s"])
+    everyone = max((len(w) for w in waits.values()), default=0)
+    shortest = [min(w) for w in waits.values() if len(w) == everyone]
+    return statistics.median(shortest) if shortest else None
 
 
 def write_table(out: Path, planned: list[tuple[str, str, int]], args) -> str:
@@ -102,15 +115,18 @@ def write_table(out: Path, planned: list[tuple[str, str, int]], args) -> str:
     for path in out.glob("*.json"):
         row = json.loads(path.read_text())
         if row.get("row") and row.get("finished"):
+            if "agreement_s" not in row and (out / "runs" / row["row"] / "run").is_dir():  # a row from before the column
+                row["agreement_s"] = agreement_s(round_records(out / "runs" / row["row"] / "run"))
             done[(row["algo"], row["revision"], row["rep"])] = row
     lines = [f"{args.peers} peers in network namespaces, {args.link} htb caps, {args.steps} steps each (the default "
              f"run: H = 30), seed {args.seed}. Shares are of every byte the namespaces sent; DHT B/s per node: "
              "the DHT's bytes over the run's life (startup and training) and its nodes (the peers and the "
              "coordinator); manifest s: the peers' mean wait from announcing a round to its manifest, waiting "
-             "for slower peers included; DHT calls: per peer and round, where counted.", "",
+             "for slower peers included; agreement s: the median over rounds of the last peer's wait (everyone "
+             "else waits already); DHT calls: per peer and round, where counted.", "",
              "| algorithm | revision | runs | wire MB | DHT share | checkpoint share | DHT KB/s per node | "
-             "manifest s | DHT calls / peer / round | final loss |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "manifest s | agreement s | DHT calls / peer / round | final loss |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for algo in dict.fromkeys(a for a, _, _ in planned):
         for name in args.revisions:
             rows = [r for (a, n, _), r in sorted(done.items()) if a == algo and n == name]
@@ -123,6 +139,7 @@ def write_table(out: Path, planned: list[tuple[str, str, int]], args) -> str:
                          f"{mean('wire_bytes') / 1e6:.1f} | "
                          f"{share('control_bytes'):.1%} | {share('checkpoint_bytes'):.1%} | "
                          f"{mean('control_bytes_per_node_s') / 1e3:.1f} | {mean('manifest_s_mean'):.3f} | "
+                         f"{mean('agreement_s'):.3f} | "
                          f"{f'{statistics.mean(calls):.1f}' if calls else 'not counted'} | {mean('final_loss'):.4f} |")
     missing = [row_name(a, n, r, args) for a, n, r in planned if (a, n, r) not in done]
     return save_table(out, lines, missing)
