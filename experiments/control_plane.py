@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from revisions import fresh_run_dir, imported_from, round_records, tree_commit, tree_env, worktree
+from revisions import agreement_s, fresh_run_dir, imported_from, round_records, tree_commit, tree_env, worktree
 from simulate_launch import run_simulate, save_table  # beside this script (its folder is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,18 +96,6 @@ def figures(report: dict, records: list[dict]) -> dict:
             "manifest_s_mean": statistics.mean(manifest) if manifest else None,
             "agreement_s": agreement_s(records),
             "control_calls": report.get("control_calls") or {}, "wall_s": report["wall_s"]}
-
-
-def agreement_s(records: list[dict]) -> float | None:
-    """The median over the rounds every peer recorded of the shortest wait for the manifest: the last peer
-    to reach a round finds every other one waiting, so its wait is the agreement itself."""
-    waits: dict[int, list[float]] = {}
-    for r in records:
-        if r.get("manifest_s") is not None:
-            waits.setdefault(r["round"], []).append(r["manifest_s"])
-    everyone = max((len(w) for w in waits.values()), default=0)
-    shortest = [min(w) for w in waits.values() if len(w) == everyone]
-    return statistics.median(shortest) if shortest else None
 
 
 def write_table(out: Path, planned: list[tuple[str, str, int]], args) -> str:

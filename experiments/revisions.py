@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -77,3 +78,15 @@ def round_records(run_dir: Path) -> list[dict]:
             if record.get("type") == "round":
                 records.append(record)
     return records
+
+
+def agreement_s(records: list[dict]) -> float | None:
+    """The median over the rounds every peer recorded of the shortest wait for the manifest: the last peer
+    to reach a round finds every other one waiting, so its wait is the agreement itself."""
+    waits: dict[int, list[float]] = {}
+    for r in records:
+        if r.get("manifest_s") is not None:
+            waits.setdefault(r["round"], []).append(r["manifest_s"])
+    everyone = max((len(w) for w in waits.values()), default=0)
+    shortest = [min(w) for w in waits.values() if len(w) == everyone]
+    return statistics.median(shortest) if shortest else None

@@ -10,7 +10,8 @@ embedded default config. While it runs, every second the script sums the PSS
 its p2pd daemon; the table gives the largest per-peer sum, its mean over peers at the moment the
 whole run peaked, and the host's available memory at that moment. Per N also the control plane:
 the peers' mean wait from announcing a round to its manifest (`manifest_s`, waiting for slower peers
-included), their DHT calls per peer and round (the report's `control_calls`), and with --netns
+included), the agreement itself (`agreement s`: the median over rounds of the last peer's wait, when
+everyone else waits already), their DHT calls per peer and round (the report's `control_calls`), and with --netns
 (every process in its own network namespace, uncapped) the DHT's bytes per peer and round.
 
 Rows are kept as JSON under OUT/ and skipped on a rerun (resumable); the table OUT/table.md is
@@ -34,7 +35,7 @@ if str(REPO) not in sys.path:
 from lowcomm.config import default_config  # noqa: E402
 from lowcomm.models.gpt import GPT  # noqa: E402
 from lowcomm.runtime.sim import Simulation  # noqa: E402
-from revisions import round_records  # noqa: E402 (beside this script)
+from revisions import agreement_s, round_records  # noqa: E402 (beside this script)
 
 SMALL_MODEL = {"model.d_model": 32, "model.n_layers": 2, "model.n_heads": 2, "model.context": 32}
 
@@ -130,7 +131,8 @@ def run_row(out: Path, peers: int, steps: int, seed: int, netns: bool = False) -
     finally:
         memory = sampler.stop()
     rounds = report["rounds"]
-    manifest_s = [r["manifest_s"] for r in round_records(out / "runs" / f"n{peers}") if "manifest_s" in r]
+    records = round_records(out / "runs" / f"n{peers}")
+    manifest_s = [r["manifest_s"] for r in records if "manifest_s" in r]
     peer_rounds = peers * max(1, len(rounds))
     row = {"peers": peers, "steps": steps, "model_params": GPT(config.model).num_parameters(),
            "launch_to_end_s": time.time() - started, "startup_s": report["startup_s"], "wall_s": report["wall_s"],
@@ -142,6 +144,7 @@ def run_row(out: Path, peers: int, steps: int, seed: int, netns: bool = False) -
            "timeouts": sum(1 for e in report["events"] if e["kind"] == "timeout"),
            "deadline_scale": config.sync.announce_s / default_config().sync.announce_s, "memory": memory,
            "manifest_s_mean": sum(manifest_s) / len(manifest_s) if manifest_s else None,
+           "agreement_s": agreement_s(records),
            "dht_calls_per_peer_round": sum((report.get("control_calls") or {}).values()) / peer_rounds,
            "dht_bytes_per_peer_round": (report["control_bytes"] / peer_rounds
                                         if report.get("control_bytes") is not None else None)}
@@ -156,9 +159,9 @@ def _fmt(value, spec: str, unit: float = 1.0) -> str:
 def table(rows: list[dict]) -> str:
     lines = ["| peers | params | startup s | wall s | wall / wall(N=4) | rounds (all N contributed) | mean sync s | "
              "resyncs | final loss | PSS per peer MiB (mean at peak; max) | processes per peer | "
-             "total PSS MiB | MemAvailable at peak MiB | deadline scale | manifest s | DHT calls / peer / round | "
-             "DHT KB / peer / round |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "total PSS MiB | MemAvailable at peak MiB | deadline scale | manifest s | agreement s | "
+             "DHT calls / peer / round | DHT KB / peer / round |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     base = next((r for r in rows if r["peers"] == 4), None)
     for r in sorted(rows, key=lambda r: r["peers"]):
         m = r["memory"]
@@ -168,7 +171,8 @@ def table(rows: list[dict]) -> str:
                      f"{r['final_loss']:.3f} | {m.get('mean_peer_pss_mib', 0):.0f}; {m['max_peer_pss_mib']:.0f} | "
                      f"{m.get('procs_per_peer', 0)} | {m.get('total_pss_mib', 0):.0f} | "
                      f"{m.get('mem_available_mib', 0):.0f} | {r['deadline_scale']:.1f} | "
-                     f"{_fmt(r.get('manifest_s_mean'), '.2f')} | {_fmt(r.get('dht_calls_per_peer_round'), '.1f')} | "
+                     f"{_fmt(r.get('manifest_s_mean'), '.2f')} | {_fmt(r.get('agreement_s'), '.3f')} | "
+                     f"{_fmt(r.get('dht_calls_per_peer_round'), '.1f')} | "
                      f"{_fmt(r.get('dht_bytes_per_peer_round'), ',.0f', 1e3)} |")
     return "\n".join(lines) + "\n"
 

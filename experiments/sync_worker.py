@@ -141,6 +141,7 @@ class LowcommWorker:
         from lowcomm.transport.service import PeerService
         from lowcomm.transport.wire import Channels, Traffic, start_server
 
+        from lowcomm.transport.round_posts import RoundPosts
         from lowcomm.transport.signing import Signer
         from lowcomm.transport.wakeups import Wakes, WakeSender
 
@@ -157,8 +158,10 @@ class LowcommWorker:
         self.endpoint = f"{args.host}:{port}"
         # "training" at round 0 makes every worker due in every round, so agreement waits for all N
         self.record = PeerRecord(self.me, self.endpoint, "training", "cpu", round=0)
-        # as a training peer's (runtime.context): waits end on wakes (transport.wakeups), else a 0.5 s poll
-        wakes = Wakes(service.wakeups, WakeSender(self.channels, self.traffic))
+        # as a training peer's (runtime.context): the round's records posted to the waiting peers, which read
+        # the DHT every 2 s (transport.round_posts, collectives.round_reads)
+        service.posts = RoundPosts("sync")
+        wakes = Wakes(service.wakeups, WakeSender(self.channels, self.traffic), posts=service.posts, signer=self.signer)
         agreement = ManifestAgreement(self.control, self.sync, self.endpoint, wakes=wakes)
         self.collective = self.make_collective(args, service, agreement)
         self.key = GroupKey("sync")

@@ -175,9 +175,10 @@ class Delivery:
 def test_four_peers_agree_from_posts_alone(signers):
     ids = sorted(s.peer_id for s in signers)
     by_id = {s.peer_id: s for s in signers}
-    boards = {f"{p}:1": (RoundPosts("run"), Wakeups()) for p in ids}
+    boards = {f"{p}:1": (RoundPosts("run"), Wakeups()) for p in [*ids, "coordinator"]}
     delivery = Delivery(boards)
     store, live = {}, {p: PeerRecord(p, f"{p}:1", state="training", round=5) for p in ids}
+    live["coordinator"] = PeerRecord("coordinator", "coordinator:1", state="coordinator")
     controls = [PostingControl(p, store, live) for p in ids]
     sync = SyncConfig(announce_s=NEVER_S, manifest_s=NEVER_S)
     agreements = [ManifestAgreement(c, sync, f"{p}:1", quorum=True,
@@ -196,6 +197,12 @@ def test_four_peers_agree_from_posts_alone(signers):
     assert all(m is not None and m.leader == ids[0] and m.members == ids for m in results)
     for control in controls:  # one read of the live records; no announcement nor manifest read from the DHT
         assert control.reads == Counter(peers=1), control.reads
+    # the coordinator follows the round from the leader's post (its DHT read waits for the poll)
+    follower_control = PostingControl("coordinator", store, live)
+    follower = ManifestAgreement(follower_control, sync, "", wakes=Wakes(None, None, NEVER_S,
+                                                                           posts=boards["coordinator:1"][0]))
+    assert follower.read("0-0", 5, fresh=False).members == ids
+    assert follower_control.reads == Counter()
 
 
 def test_an_announcement_ahead_is_posted_not_stored_unless_a_due_peer_takes_no_posts(signers):
