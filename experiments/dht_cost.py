@@ -8,8 +8,8 @@ and nothing else: `store` refreshes the node's peer record under the run's peers
 `get` reads that key (every node's record, merged from every node: the read agreement makes),
 `announce` stores an announcement under a new round key each time, `idle` makes no call. The kernel
 counts the bytes each namespace sends on the DHT's plane (the lab's htb control class) over
---window-s seconds after --warmup-s; per call is a calling node's bytes per second less idle's, over
-its calls per second. Each kind is one row, resumable (OUT/<kind>.json); OUT/table.md is rewritten
+--window-s seconds after --warmup-s; per call is what all nodes sent per second (a call's own bytes
+and the answers to it) less the idle row's, over the calls per second. Each kind is one row, resumable (OUT/<kind>.json); OUT/table.md is rewritten
 after every row. Must run as root.
 """
 
@@ -96,15 +96,17 @@ def measure(kind: str, args) -> dict:
 
 
 def table(rows: dict[str, dict], kinds: list[str], args) -> str:
-    idle = rows.get("idle", {}).get("callers_B_s")
+    idle = sum(rows["idle"]["per_node_B_s"]) if "idle" in rows else None
     lines = [f"{args.nodes} DHT nodes in network namespaces, uncapped; nodes 1..{args.nodes - 1} make one call a "
-             f"second each, node 0 idles; bytes sent on the DHT's plane over {args.window_s:.0f} s.", "",
-             "| calls | bytes/s per calling node | bytes/s of the idle node | per call (less idle) |",
+             f"second each, node 0 idles; bytes sent on the DHT's plane over {args.window_s:.0f} s. Per call: "
+             "what all the nodes sent (callers and answerers), less the idle row's, over the calls made.", "",
+             "| calls | bytes/s per calling node | bytes/s of node 0 | wire bytes per call |",
              "| --- | --- | --- | --- |"]
     for kind in kinds:
         if kind in rows:
             r = rows[kind]
-            per_call = f"{(r['callers_B_s'] - idle) / 1e3:.1f} KB" if idle is not None and kind != "idle" else ""
+            per_call = (f"{(sum(r['per_node_B_s']) - idle) / (args.nodes - 1) / 1e3:.1f} KB"
+                        if idle is not None and kind != "idle" else "")
             lines.append(f"| {kind} | {r['callers_B_s']:,.0f} | {r['bootstrap_B_s']:,.0f} | {per_call} |")
     return save_table(args.out, lines, [k for k in kinds if k not in rows])
 
