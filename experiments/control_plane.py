@@ -103,7 +103,7 @@ def write_table(out: Path, planned: list[tuple[str, str, int]], args) -> str:
     for path in out.glob("*.json"):
         row = json.loads(path.read_text())
         if row.get("row") and row.get("finished"):
-            if "agreement_s" not in row and (out / "runs" / row["row"] / "run").is_dir():  # a row from before the column
+            if "agreement_s" not in row and (out / "runs" / row["row"] / "run").is_dir():  # a row written without the column
                 row["agreement_s"] = agreement_s(round_records(out / "runs" / row["row"] / "run"))
             done[(row["algo"], row["revision"], row["rep"])] = row
     lines = [f"{args.peers} peers in network namespaces, {args.link} htb caps, {args.steps} steps each (the default "

@@ -3,7 +3,7 @@
 The posts are read at every look; the DHT when a look asks for it (``fresh``: before a round goes
 on without a peer, a second look at racing manifests, a reader outside the round) and otherwise
 once per `Wakes.dht_poll_s`, which also bounds how old the cached live peer records get. Without
-posts every look reads the DHT, as agreement did before round posts existed.
+posts every look reads the DHT.
 """
 
 from __future__ import annotations
