@@ -100,7 +100,7 @@ class PeerContext:
         self.holder = StateHolder(o.run_name, sync.chunk_bytes)
         self.service.state_handler = self.holder.serve
         self.wake_sender = WakeSender(self.channels, self.traffic)
-        self.service.posts = RoundPosts(o.run_name)
+        self.service.posts = RoundPosts(o.run_name, self.admission.admits)
 
     def _serve_metrics(self) -> None:
         """Prometheus /metrics on --metrics-host:--metrics-port (runtime.metrics); its URL in a `metrics` event."""

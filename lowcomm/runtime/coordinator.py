@@ -107,7 +107,7 @@ class Coordinator:
         self.service = PeerService(self.identity.peer_id, self.traffic, self.channels)
         self.holder = StateHolder(run, self.config.sync.chunk_bytes)
         self.service.state_handler = self.holder.serve
-        self.service.posts = RoundPosts(run)  # the manifests the rounds' leaders post here (transport.round_posts)
+        self.service.posts = RoundPosts(run, self.admission.admits)  # the leaders' manifests (transport.round_posts)
         self.service.max_waiting_calls = 12  # of 16 server threads: Ping always finds one
         self.server, grpc_port = start_server(self.service, self.host, self.port, self.config.sync.chunk_bytes,
                                               max_workers=16)

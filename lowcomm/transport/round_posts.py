@@ -12,7 +12,8 @@ A replayed or reordered post changes nothing: an announcement only moves forward
 then reached, then withdrawn) whatever order its posts arrive in, and a writer's manifest of a round
 is the first one it posted. The posts held are bounded: MAX_VALUE_BYTES each, MAX_POSTS_PER_ROUND
 writers per round and kind, MAX_ROUNDS rounds (the round first posted to is dropped first). A post
-that fails a check is refused with the reason (the service counts it, a `reject` event).
+that fails a check, or comes from a peer the run does not admit, is refused with the reason (the
+service counts it, a `reject` event).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from typing import Callable
 
 from lowcomm.proto import wire_pb2
 from lowcomm.transport.signing import Signer, Unauthenticated, Verifier, sign_message, verify_message
@@ -63,8 +65,10 @@ def post_request(signer: Signer, run: str, kind: str, group: str, round_: int, v
 class RoundPosts:
     """The round records posted to this peer (and its own), by (kind, group, round) and writer."""
 
-    def __init__(self, run: str):
-        self.run = run
+    def __init__(self, run: str, admits: Callable[[str], bool] = lambda peer_id: True):
+        """``admits(peer_id)``: whether the run lets that peer take part (runtime.admission); another's
+        posts are refused at the door."""
+        self.run, self.admits = run, admits
         self.verifier = Verifier()
         self._lock = threading.Lock()
         self._rounds: OrderedDict[tuple[str, str, int], dict[str, dict]] = OrderedDict()
@@ -84,6 +88,8 @@ class RoundPosts:
             verify_message(self.verifier, SIGNED_KIND, request)
         except Unauthenticated as e:
             raise PostRefused(str(e)) from None
+        if not self.admits(request.sender):
+            raise PostRefused(f"a round post from {request.sender[:40]}, a peer the run does not admit")
         try:
             value = json.loads(request.value)
         except (UnicodeDecodeError, ValueError):

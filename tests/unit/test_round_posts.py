@@ -222,3 +222,12 @@ def test_an_announcement_ahead_is_posted_not_stored_unless_a_due_peer_takes_no_p
     agreement.reads._records = (float("-inf"), {})  # read the records again
     agreement.announce("0-0", 7, ahead=True)  # a due peer others cannot post to: the DHT holds it too
     assert store[("announce", "0-0", 7)][me]["ahead"] is True
+
+
+def test_a_post_from_a_peer_the_run_does_not_admit_is_refused_at_the_door(signers):
+    alice, outsider = signers[0], signers[1]
+    posts = RoundPosts("run", admits=lambda peer_id: peer_id != outsider.peer_id)
+    with pytest.raises(PostRefused, match=f"from {outsider.peer_id}, a peer the run does not admit"):
+        posts.accept(post_request(outsider, "run", ANNOUNCE, "0-0", 1, record(outsider)))
+    posts.accept(post_request(alice, "run", ANNOUNCE, "0-0", 1, record(alice)))
+    assert list(posts.records(ANNOUNCE, "0-0", 1)) == [alice.peer_id]
