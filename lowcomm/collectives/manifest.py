@@ -220,14 +220,15 @@ class ManifestAgreement:
             now = time.monotonic()
             turn = int((now - started) // self.sync.manifest_s)
             fallback = frozenset(order[first_outside:turn + 1])
-            manifests = self.reads.manifests(group, round_)
+            may_write = mine is not None and turn >= mine and not published and now - checked >= QUORUM_POLL_S
+            manifests = self.reads.manifests(group, round_, fresh=may_write)  # a writer looks in the DHT first
             if manifests and self._pick(manifests, group, round_, fallback) is not None:
                 return self._follow(manifests, group, round_, fallback, settled)
             if turn >= len(order) and (short is None or now - started >= self.quorum_wait_s):
                 self._give_up(group, round_)
                 raise CollectiveError(f"no manifest for round {round_} after {len(order)} candidate leaders"
                                       + (f": {short}" if short else ""))
-            if mine is not None and turn >= mine and not published and now - checked >= QUORUM_POLL_S:
+            if may_write:
                 checked = now
                 announcers = {**(self.reads.announcers(group, round_) or announcers), self.me: self._presence}
                 reached = [p for p in self._members(group, round_, announcers) if not announcers[p].get("ahead")]

@@ -1,7 +1,8 @@
 """What agreement reads of a round: the records posted to this peer (transport.round_posts) and the DHT's.
 
 The posts are read at every look; the DHT when a look asks for it (``fresh``: before a round goes
-on without a peer, a second look at racing manifests, a reader outside the round) and otherwise
+on without a peer, before this peer writes a manifest, a second look at racing manifests, a reader
+outside the round) and otherwise
 once per `Wakes.dht_poll_s`, which also bounds how old the cached live peer records get. Without
 posts every look reads the DHT.
 """
