@@ -171,7 +171,7 @@ def main() -> int:
             kept = load(path)
             if kept is not None and not ("error" in kept and args.retry_failed):
                 continue
-            need, free = n * MEMORY_PER_S * s * MB, mem_available()
+            need, free = n * MEMORY_PER_S["lowcomm"] * s * MB, mem_available()
             if need + MEMORY_RESERVE > free:  # not recorded: a rerun tries again
                 print(f"{path.stem}: skipped, needs ~{need / 1e9:.1f} GB, {free / 1e9:.1f} GB available", flush=True)
                 continue

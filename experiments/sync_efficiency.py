@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import signal
@@ -49,7 +50,9 @@ WORKER = REPO / "experiments" / "sync_worker.py"
 MB = 1_000_000
 STARTUP_TIMEOUT_S = 600.0
 STARTUP_ESTIMATE_S = 45.0  # for the ETA before any cell ran: processes, DHT, first connections
-MEMORY_PER_S = 10  # a lowcomm worker's peak RSS, in S: 2.2-2.4 GB at 256 MB, N=4; more at N=8 (copies of parts)
+# a worker's peak memory above its baseline, in S (the table's column; 64 MB, N=4: lowcomm 6.9-7.1, hivemind
+# 3.6-4.5), with room to spare: a cell that would not fit is skipped
+MEMORY_PER_S = {"lowcomm": 8, "lowcomm-zstd1": 8, "hivemind": 6}
 MEMORY_RESERVE = 4 << 30  # left to the other jobs on the host: an OOM kill could hit one of theirs
 
 
@@ -287,6 +290,7 @@ def summarize(system, peers, size_mb, numel, bound, args, rounds, workers) -> di
             "groups": sorted({tuple(m["group_workers"]) for m in mine}),
             "wire": traffic,
             "cpu_s_per_node": [t["cpu_s"] for t in traffic],
+            "peak_mem_s": [m.get("peak_mem_bytes", float("nan")) / (numel * 4) for m in mine],
             "phases": link_phases(wire["timeline"], peers, args.rate_mbit * 1e6, wire["go"], last_end),
             "timeline": [[round(row[0] - wire["go"], 3), *row[1:]] for row in wire["timeline"]],
             **({"grpc_bytes_sent": [m["grpc_bytes_sent"] for m in mine]} if "grpc_bytes_sent" in mine[0] else {}),
@@ -310,6 +314,7 @@ def summarize(system, peers, size_mb, numel, bound, args, rounds, workers) -> di
         "link_utilization": statistics.mean(max(t["tx"] for t in r["wire"]) * 8 / (args.rate_mbit * 1e6)
                                             / r["round_s"] for r in per_round),
         "mean_cpu_s_per_node": statistics.mean(statistics.mean(r["cpu_s_per_node"]) for r in per_round),
+        "peak_mem_s": max(max(r["peak_mem_s"]) for r in per_round),
         "uplink_near_cap_share": statistics.mean(statistics.mean(r["phases"]["uplink_near_cap_share"])
                                                  for r in per_round),
         "all_n": all(r["all_n"] for r in per_round), "correct": all(r["correct"] for r in per_round),
@@ -321,7 +326,7 @@ def summarize(system, peers, size_mb, numel, bound, args, rounds, workers) -> di
 
 COLUMNS = ["system", "N", "S MB", "rounds", "mean round s", "bound s", "efficiency", "eff. rounds ≥1", "agreement s",
            "transfer s", "MB sent/peer (wire)", "2(N−1)/N·S MB", "link util.", "uplink ≥80% of cap",
-           "CPU s/peer/round", "all-N groups?", "correct?", "identical replicas?", "host load"]
+           "CPU s/peer/round", "peak memory/worker (S)", "all-N groups?", "correct?", "identical replicas?", "host load"]
 
 NOTES = """\
 Round time: barrier release to the last worker holding the result, agreement included. Efficiency: bound / mean
@@ -330,7 +335,9 @@ workers and rounds (lowcomm: manifest_s / reduce_s; hivemind: until RUNNING_ALLR
 Ethernet frames (TCP/IP headers, ACKs, DHT included): a perfect all-reduce sends ~1.05x the payload, so ~0.95 is
 the ceiling of any TCP system here. Link util.: busiest uplink's wire bytes / (B · round time). 'Uplink ≥80% of
 cap': mean share of the round a peer's uplink ran at ≥ 80% of the cap (50 ms samples). CPU s/peer/round: user +
-system CPU of every process in a peer's namespace over a round. Host load: 1-min load average when the cell
+system CPU of every process in a peer's namespace over a round. Peak memory/worker: the most resident memory a
+worker process held during a round, above what it held set up and connected before its first input, in units of
+S (its input and its result are 2 of them); the worst worker and round. Host load: 1-min load average when the cell
 ended; the host had 2 cores shared with other jobs, so every number is noisy and CPU-starved. Correct: every
 worker's result within 1e-5 of the true mean of its group's inputs (every block up to 64 MB, 16 random 4 MB
 blocks above). Identical replicas: all members of a group hold the same bytes.
@@ -348,8 +355,14 @@ def table_row(r: dict) -> list[str]:
             f"{r['mean_round_s']:.2f} ± {r['std_round_s']:.2f}", f"{r['bound_s']:.2f}", f"**{r['efficiency']:.2f}**",
             f"{r['steady_efficiency']:.2f}", f"{r['mean_agreement_s']:.2f}", f"{r['mean_transfer_s']:.2f}",
             f"{r['mb_sent_per_peer']:.1f}", f"{r['mb_expected_per_peer']:.1f}", f"{r['link_utilization']:.2f}",
-            f"{r['uplink_near_cap_share']:.2f}", f"{r['mean_cpu_s_per_node']:.1f}", groups,
+            f"{r['uplink_near_cap_share']:.2f}", f"{r['mean_cpu_s_per_node']:.1f}",
+            _times_s(r.get("peak_mem_s")), groups,
             "yes" if r["correct"] else "NO", "yes" if identical else "no", f"{r['host_load'][0]:.0f}"]
+
+
+def _times_s(value) -> str:
+    """A memory figure in units of S, or n/a (not measured)."""
+    return f"{value:.1f}" if isinstance(value, float) and math.isfinite(value) else "n/a"
 
 
 def table(results: list[dict]) -> str:
@@ -418,7 +431,7 @@ def main() -> int:
     for k, cell in enumerate(todo):
         bound = bound_s(cell[1], cell[2] * MB, args.rate_mbit * 1e6)
         print(f"[{k + 1}/{len(todo)}] {cell_name(*cell)}: bound {bound:.2f}s", flush=True)
-        need, free = cell[1] * MEMORY_PER_S * cell[2] * MB, mem_available()
+        need, free = cell[1] * MEMORY_PER_S[cell[0]] * cell[2] * MB, mem_available()
         if need + MEMORY_RESERVE > free:  # skipped, not recorded: a rerun tries again
             why = (f"needs ~{need / 1e9:.1f} GB + {MEMORY_RESERVE / 2**30:.0f} GiB reserve, "
                    f"{free / 1e9:.1f} GB available")

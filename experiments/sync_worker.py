@@ -92,7 +92,31 @@ def check_mean(result: torch.Tensor, workers: list[int], seed: int, round_: int)
         worst = max(worst, float((got - truth).abs().max()))
     return {"max_abs_err": worst, "correct": worst <= ATOL and bool(torch.isfinite(result).all()),
             "checked_fraction": min(1.0, len(checked) * BLOCK / numel),
-            "result_hash": hashlib.blake2b(result.numpy().tobytes(), digest_size=12).hexdigest()}
+            "result_hash": hashlib.blake2b(result.numpy().data, digest_size=12).hexdigest()}  # no copy of S
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRss:
+    """The most resident memory this process held while inside the block (sampled every 5 ms)."""
+
+    def __enter__(self):
+        self.peak, self._stop = rss_bytes(), threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, rss_bytes())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
 
 
 # ---- the barrier --------------------------------------------------------------------------------
@@ -294,6 +318,9 @@ class HivemindWorker:
 
 
 def work(args) -> None:
+    if args.system.startswith("lowcomm"):
+        from lowcomm.runtime.allocator import limit_arenas
+        limit_arenas()  # as `lowcomm peer join` does, before any thread starts
     torch.set_num_threads(1)
     wait_for(args.dir / "boot.json")
     initial_peers = json.loads((args.dir / "boot.json").read_text())
@@ -306,12 +333,15 @@ def work(args) -> None:
         wait_for(args.dir / f"id-{i}")
     index_of = {(args.dir / f"id-{i}").read_text(): i for i in range(args.peers)}
     rounds = []
+    baseline = rss_bytes()  # set up, connected, no input yet: what the round's memory is counted above
     for round_ in range(args.rounds):
         tensor = make_input(args.seed, args.index, round_, args.numel)
         worker.prepare(tensor)
         touch(args.dir / f"ready-{round_}-{args.index}")
         wait_for(args.dir / f"go-{round_}")
-        result, info = worker.average(round_)
+        with PeakRss() as memory:  # the input (S) and the result (S) included
+            result, info = worker.average(round_)
+        info["peak_mem_bytes"] = memory.peak - baseline
         touch(args.dir / f"done-{round_}-{args.index}")
         # checking and the next input are CPU work: not while other workers still transfer
         wait_for(args.dir / f"alldone-{round_}")

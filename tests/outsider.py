@@ -150,7 +150,8 @@ class Outsider:
         """One Reduce part to ``endpoint``: signed by ``signer`` (None: unsigned), under ``sender`` (default:
         the signer's id); the owner's first answer (status and error) or the call's gRPC code."""
         fields = {**header, "sender": sender or (signer.peer_id if signer else self.identity.peer_id),
-                  "total_bytes": len(blob), "digest": digest(blob)}
+                  "total_bytes": len(blob), "digest": digest(blob), "pieces": 0, "piece_elems": 0,
+                  "norm": 0.0}
         first = wire_pb2.ReduceChunk(**fields, data=blob[:first_bytes])
         if signer is not None:
             first.sender_key, first.signature = signer.sign(KIND, fields)
@@ -254,7 +255,7 @@ def _stream(outsider: Outsider, endpoint: str, manifest: dict, shard: int, round
             release: threading.Event):
     """A Reduce stream of one signed first chunk that then stays open until ``release``, with an hour's deadline."""
     fields = {**_header(manifest, round_, shard, 1.0), "sender": signer.peer_id, "total_bytes": 4,
-              "digest": digest(bytes(4))}
+              "digest": digest(bytes(4)), "pieces": 0, "piece_elems": 0, "norm": 0.0}
     first = wire_pb2.ReduceChunk(**fields)
     first.sender_key, first.signature = signer.sign(KIND, fields)
 

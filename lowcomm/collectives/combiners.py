@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from lowcomm.collectives.pieces import piece_bounds
 from lowcomm.collectives.reduce_owner import ContributionRejected, check_finite, decode_contribution
 from lowcomm.collectives.robust import Aggregate
 from lowcomm.compress import Codec, CodecError, SparseCodec, get_codec
@@ -45,6 +46,28 @@ class DenseMean:
         self.name = codec
         self.zstd_level = zstd_level
         self.aggregate = aggregate
+
+    @property
+    def streams(self) -> bool:
+        """The mean and the median-clipped mean are reduced piece by piece (the clip from norms the
+        senders declare, collectives.streamed_slot); the other rules need every part whole."""
+        return self.aggregate.name in ("mean", "median-clip")
+
+    @property
+    def clips(self) -> bool:
+        return self.aggregate.name == "median-clip"
+
+    def part_norm(self, payload: torch.Tensor, bounds: tuple[int, int],
+                  elems: int) -> tuple[float, list[bytes] | None]:
+        """The L2 norm its owner will measure of this part, decoded, and (for a lossy codec, whose
+        decoded values are known only once encoded) the part's pieces, encoded to send."""
+        codec = get_codec(self.name, zstd_level=self.zstd_level)
+        part = payload[bounds[0]:bounds[1]]
+        if codec.lossless:
+            return float(part.norm()), None
+        blobs = [codec.encode(part[a:b]) for a, b in piece_bounds(part.numel(), elems)]
+        sumsq = sum(float(codec.decode(blob).double().pow(2).sum()) for blob in blobs)
+        return math.sqrt(sumsq), blobs
 
     def numel(self, payload: torch.Tensor) -> int:
         return payload.numel()

@@ -2,16 +2,21 @@
 
 Each member streams part j of its flat payload to shard owner j, which reduces what arrived by the
 deadline and returns the *encoded* reduced shard with its contributors; every member (the owner
-too) decodes those same bytes, so replicas agree exactly. A shard whose owner died mid-reply is
-fetched from any member that received it; if none did, nobody applies that slice.
+too) decodes those same bytes, so replicas agree exactly. The mean and the median-clipped mean
+stream: parts and replies travel as pieces that the owner reduces and sends back as they complete
+(collectives.pieces, collectives.streamed_slot), decoded straight into the round's aggregate;
+other combiners send one blob per part and reply once the slot closes. A shard whose owner died
+mid-reply is fetched from any member that received it; if none did, nobody applies that slice.
 
 Membership comes from a manifest (collectives.manifest) that covers `epoch_rounds` rounds; a round
 in which a member failed to contribute ends the epoch, and the exclusion travels in the owners'
 contributor lists, so every member sees the same failure and re-forms the group.
 
 Every part is signed by its sender's key over (run, group, round, epoch, sender, shard, weight,
-codec, size, payload digest) (transport.signing); an owner checks the signature on the first chunk,
-before it admits the call or waits for the round, and the digest before it decodes the blob.
+codec, size, payload digest, pieces) (transport.signing); an owner checks the signature on the first
+chunk, before it admits the call or waits for the round, and the digest (of the blob, or of each
+piece, which is signed on its own) before it decodes it. The owner's side is in
+collectives.reduce_serving.
 An owner refuses (a `reject` event, a REJECTED reply) every part it cannot trust: an unsigned,
 forged or relabelled one, one for another run or claiming the owner's own id, a non-finite one, a
 weight above `max_weight` (what one round can produce), a round too far ahead; a member's refused
@@ -24,7 +29,6 @@ calls per sender are served at once, and `STRANGER_CALLS` from all senders no re
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -36,19 +40,21 @@ import torch
 from lowcomm.collectives.base import Collective, CollectiveError, FutureHandle, GroupKey, RoundResult
 from lowcomm.collectives.manifest import Manifest, ManifestAgreement
 from lowcomm.collectives.combiners import DenseMean
-from lowcomm.collectives.reduce_messages import KIND, part_bytes, part_chunks, reply_chunks, signed_header
-from lowcomm.collectives.reduce_owner import ContributionRejected, OwnerSlots, Slot, validate_weight
+from lowcomm.collectives.pieces import (AggregateSlices, Pieces, Sink, Superseded, decode_pieces, part_pieces, piece_elems,
+                                        read_pieces)
+from lowcomm.collectives.reduce_messages import part_chunks
+from lowcomm.collectives.reduce_owner import ContributionRejected, OwnerSlots, Slot, check_finite, validate_weight
+from lowcomm.collectives.reduce_serving import PER_SENDER_CALLS, STRANGER_CALLS, ReduceServing
+from lowcomm.collectives.streamed_slot import StreamedSlot
 from lowcomm.collectives.config import SyncConfig
 from lowcomm.collectives.sender_calls import SenderCalls, StrangerCalls
 from lowcomm.proto import wire_pb2
-from lowcomm.transport.service import Overloaded, PeerService
-from lowcomm.transport.signing import Signer, Unauthenticated, Verifier, check_digest
+from lowcomm.transport.service import PeerService
+from lowcomm.transport.signing import Signer, Verifier
 from lowcomm.transport.wire import Channels, Traffic, WireError, assemble
 
 logger = logging.getLogger(__name__)
 OK = wire_pb2.ReduceReply.OK
-PER_SENDER_CALLS = 4  # Reduce calls served at once per claimed sender (the overlap needs 2)
-STRANGER_CALLS = 16  # ... and from all senders outside the group's recent manifests (transport.service: 48 in all)
 
 
 @dataclass
@@ -58,7 +64,7 @@ class ShardReply:
     blob: bytes
 
 
-class ShardedReduce(Collective):
+class ShardedReduce(ReduceServing, Collective):
     """A peer's collective: `start(key, round, payload, weight).result(deadline)`."""
 
     def __init__(self, signer: Signer, service: PeerService, channels: Channels, traffic: Traffic,
@@ -78,6 +84,7 @@ class ShardedReduce(Collective):
         # What owners do with contributions: the token-weighted mean by default (DiLoCo, ddp).
         self.combiner = combiner or DenseMean(codec, sync.zstd_level)
         self.codec = self.combiner.name
+        self.elems = piece_elems(sync.chunk_bytes)
         self.epoch_rounds = epoch_rounds
         self.slots = OwnerSlots()
         self.on_event = on_event or (lambda kind, **fields: None)
@@ -92,6 +99,12 @@ class ShardedReduce(Collective):
         self._strangers = StrangerCalls(STRANGER_CALLS)  # ... by senders outside the recent manifests
         service.reduce_handler = self._serve_reduce
         service.shard_handler = self._serve_shard
+
+    @property
+    def streams(self) -> bool:
+        """Whether this collective's rounds are reduced piece by piece (Decision 30); a stage sets its
+        combiner after the collective is made (runtime.stage_state)."""
+        return getattr(self.combiner, "streams", False)
 
     # ---- the caller's side ----------------------------------------------------------------
 
@@ -148,31 +161,33 @@ class ShardedReduce(Collective):
             self.before_send(round_)
         t_manifest = time.monotonic()
         deadline = t_manifest + self.sync.reduce_timeout_s
-        bounds = self.combiner.shard_bounds(len(manifest.owners), self.combiner.numel(payload))
+        numel = self.combiner.numel(payload)
+        bounds = self.combiner.shard_bounds(len(manifest.owners), numel)
+        # a streamed round's shards are decoded straight into the aggregate, as they arrive
+        out = AggregateSlices(numel, bounds) if self.streams else None
+
+        def sink(j: int) -> Sink | None:  # a new reader of shard j: the one before writes no more
+            return out.sink(j) if out is not None else None
         my_shard = manifest.owners.index(self.me) if self.me in manifest.owners else None
         if my_shard is not None:
-            slot = self.slots.open(Slot(key.group, round_, my_shard, frozenset(manifest.senders), bounds[my_shard],
-                                        self.combiner, deadline, owner=self.me, run=key.run))
+            slot = self.slots.open(self._slot(key, round_, my_shard, manifest, bounds[my_shard], deadline))
         sends = {}
         contributing = self.me in manifest.senders  # else (a bounded fan-in) it only receives the aggregate
         for j, owner in enumerate(manifest.owners):
             if not contributing:
                 if owner != self.me:
-                    sends[j] = self._pool.submit(self._receive, manifest, key, round_, j, bounds[j], deadline)
+                    sends[j] = self._pool.submit(self._receive, manifest, key, round_, j, bounds[j], deadline,
+                                                 sink(j))
             elif owner == self.me:
                 self._add_own(slot, payload, bounds[j], weight)
             else:
-                sends[j] = self._pool.submit(self._send, manifest, key, round_, j,
-                                             self.combiner.encode(payload, bounds[j]), weight, bounds[j], deadline)
+                sends[j] = self._pool.submit(self._send, manifest, key, round_, j, payload, weight, bounds[j],
+                                             deadline, sink(j))
         replies: dict[int, ShardReply] = {}
         timed_out = set()
         if my_shard is not None:
-            blob, contributors = slot.result()
-            try:
-                replies[my_shard] = ShardReply(self.combiner.finish(blob, bounds[my_shard]), contributors, blob)
-                self.slots.hold(key.group, round_, my_shard, blob, contributors)  # servable to receivers now
-            except ContributionRejected as e:
-                raise CollectiveError(f"round {round_}: this owner's own reply is unreadable: {e}") from None
+            replies[my_shard] = self._own_reply(slot, round_, sink(my_shard))
+            self.slots.hold(key.group, round_, my_shard, replies[my_shard].blob, replies[my_shard].contributors)
         for j, future in sends.items():
             try:
                 replies[j] = future.result(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
@@ -184,7 +199,7 @@ class ShardedReduce(Collective):
         missing = [j for j in range(len(manifest.owners)) if j not in replies]
         for j in missing:
             filled = self._fill_hole(manifest, key, round_, j, bounds[j],
-                                     wait_s=min(5.0, max(1.0, deadline - time.monotonic() + 2.0)))
+                                     wait_s=min(5.0, max(1.0, deadline - time.monotonic() + 2.0)), out=sink(j))
             if filled is not None:
                 replies[j] = filled
                 self.slots.hold(key.group, round_, j, filled.blob, filled.contributors)
@@ -196,9 +211,11 @@ class ShardedReduce(Collective):
         for j in lost:
             # Nobody received it: its owner died before replying to anyone. Every member that lost it
             # applies no update to that slice (the drift check resyncs a member that raced and got it).
-            replies[j] = ShardReply(torch.zeros(bounds[j][1] - bounds[j][0]), [], b"")
+            replies[j] = ShardReply(out.zero(j) if out is not None else torch.zeros(bounds[j][1] - bounds[j][0]),
+                                    [], b"")
             self.on_event("shard_lost", round=round_, shard=j, owner=manifest.owners[j])
-        aggregate = torch.cat([replies[j].values for j in range(len(manifest.owners))])
+        aggregate = out.close() if out is not None else torch.cat([replies[j].values
+                                                                   for j in range(len(manifest.owners))])
         kept = [set(r.contributors) for j, r in replies.items() if j not in lost]
         if not kept:
             self.end_epoch(key, round_)
@@ -219,41 +236,70 @@ class ShardedReduce(Collective):
                             "shard_contributors": {j: r.contributors for j, r in replies.items()},
                             "record": {"owners": list(manifest.owners)}})
 
-    def _add_own(self, slot: Slot, payload, bounds: tuple[int, int], weight: float) -> None:
+    def _slot(self, key: GroupKey, round_: int, shard: int, manifest: Manifest, bounds: tuple[int, int],
+              deadline: float):
+        members = frozenset(manifest.senders)
+        if self.streams:
+            return StreamedSlot(key.group, round_, shard, members, bounds, self.codec, self.combiner.zstd_level,
+                                self.elems, deadline, owner=self.me, run=key.run, clip=self.combiner.clips)
+        return Slot(key.group, round_, shard, members, bounds, self.combiner, deadline, owner=self.me, run=key.run)
+
+    def _add_own(self, slot, payload, bounds: tuple[int, int], weight: float) -> None:
         """The owner's own part into its slot; a refused one (non-finite, a bad weight) leaves it out."""
         try:
-            slot.add(self.me, self.combiner.own(payload, bounds), validate_weight(weight, self.max_weight), own=True)
+            weight = validate_weight(weight, self.max_weight)
+            if isinstance(slot, StreamedSlot):
+                own = check_finite(payload[bounds[0]:bounds[1]])
+                slot.begin(self.me, weight, own=True, norm=float(own.norm()) if slot.clip else 0.0)
+                for c, (start, end) in enumerate(slot.pieces):
+                    slot.add(self.me, c, own[start:end])
+            else:
+                slot.add(self.me, self.combiner.own(payload, bounds), weight, own=True)
         except ContributionRejected as e:
             slot.leave_out(self.me)
             self._reject(slot.round, self.me, e)
 
-    def _reject(self, round_: int, sender: str, error: Exception) -> None:
-        self.slots.rejected += 1
-        self.on_event("reject", round=int(round_), sender=sender[:40], error=str(error)[:200])
-        logger.warning("round %d: refused a part from %s: %s", round_, sender[:40], error)
+    def _own_reply(self, slot, round_: int, out: Sink | None) -> ShardReply:
+        """This owner's own shard, once its slot closed: the same bytes it replies to every member."""
+        blob, contributors = slot.result()
+        try:
+            if isinstance(blob, Pieces):
+                decode_pieces(blob, self.codec, slot.numel, self.elems, out)
+                return ShardReply(out.values, contributors, blob)
+            return ShardReply(self.combiner.finish(blob, slot.bounds), contributors, blob)
+        except ContributionRejected as e:
+            raise CollectiveError(f"round {round_}: this owner's own reply is unreadable: {e}") from None
 
-    def _send(self, manifest: Manifest, key: GroupKey, round_: int, shard: int, blob: bytes, weight: float,
-              bounds: tuple[int, int], deadline: float) -> ShardReply:
+    def _send(self, manifest: Manifest, key: GroupKey, round_: int, shard: int, payload, weight: float,
+              bounds: tuple[int, int], deadline: float, out: Sink | None) -> ShardReply:
         owner = manifest.owners[shard]
         stub = self.channels.stub(manifest.endpoints[owner])
         header = dict(run_id=key.run, group=key.group, round=round_, epoch=manifest.round, shard=shard, weight=weight,
                       codec=self.codec)
-        chunks = part_chunks(self.signer, header, blob, self.sync.chunk_bytes)
+        if self.streams:  # each piece encoded as it is sent (a clipping owner's lossy pieces: first, for the norm)
+            blob, (norm, encoded) = None, (0.0, None)
+            if self.combiner.clips:
+                norm, encoded = self.combiner.part_norm(payload, bounds, self.elems)
+            chunks = part_pieces(self.signer, header, lambda a, b: self.combiner.encode(payload, (bounds[0] + a,
+                                 bounds[0] + b)), bounds[1] - bounds[0], self.elems, norm, encoded)
+        else:
+            blob = self.combiner.encode(payload, bounds)
+            chunks = part_chunks(self.signer, header, blob, self.sync.chunk_bytes)
         timeout = max(0.1, deadline - time.monotonic() + 0.5)
         call_deadline = time.monotonic() + timeout
         replies = stub.Reduce(self.traffic.sending(chunks, call_deadline), timeout=timeout)
-        reply = self._read_reply(replies, shard, bounds, len(manifest.members), call_deadline, own_part=blob)
+        reply = self._read_reply(replies, shard, bounds, len(manifest.members), call_deadline, own_part=blob, out=out)
         # Held at once, not after every other shard: a member whose copy of this shard was lost
         # asks the others for it while they may still wait on slower owners.
         self.slots.hold(key.group, round_, shard, reply.blob, reply.contributors)
         return reply
 
     def _receive(self, manifest: Manifest, key: GroupKey, round_: int, shard: int, bounds: tuple[int, int],
-                 deadline: float) -> ShardReply:
+                 deadline: float, out: Sink | None) -> ShardReply:
         """A member outside the round's bounded fan-in: shard ``shard``'s aggregate from its owner."""
         while True:
             reply = self._fill_hole(manifest, key, round_, shard, bounds, ask_owner=True,
-                                    wait_s=min(5.0, max(0.1, deadline - time.monotonic())))
+                                    wait_s=min(5.0, max(0.1, deadline - time.monotonic())), out=out)
             if reply is not None:
                 break
             if time.monotonic() >= deadline:
@@ -262,8 +308,17 @@ class ShardedReduce(Collective):
         return reply
 
     def _read_reply(self, stream, shard: int, bounds: tuple[int, int], members: int, deadline: float,
-                    own_part: bytes | None = None) -> ShardReply:
-        """An owner's or holder's reply → the shard's values; ``own_part``: what this member sent the owner."""
+                    own_part: bytes | None = None, out: Sink | None = None) -> ShardReply:
+        """An owner's or holder's reply → the shard's values; ``own_part``: what this member sent the owner;
+        ``out``: where a streamed shard's values go (else a tensor of their own)."""
+        if self.streams:
+            out = out if out is not None else Sink(torch.empty(bounds[1] - bounds[0]))
+            try:
+                pieces, contributors = read_pieces(self.traffic.receiving(stream, deadline), self.codec,
+                                                   bounds[1] - bounds[0], self.elems, out)
+            except ContributionRejected as e:
+                raise CollectiveError(f"owner of shard {shard}: {e}") from None
+            return ShardReply(out.values, contributors, pieces)
         first, datas = None, []
         for reply in self.traffic.receiving(stream, deadline):
             if first is None:
@@ -310,7 +365,7 @@ class ShardedReduce(Collective):
                             "epoch": manifest.round, "caught_up": True, "record": {"owners": list(manifest.owners)}})
 
     def _fill_hole(self, manifest: Manifest, key: GroupKey, round_: int, shard: int, bounds: tuple[int, int],
-                   ask_owner: bool = False, wait_s: float = 1.0):
+                   ask_owner: bool = False, wait_s: float = 1.0, out: Sink | None = None):
         owner = manifest.owners[shard]
         askable = [owner] if ask_owner else []
         askable += [m for m in manifest.members if m not in (self.me, owner)]
@@ -321,78 +376,9 @@ class ShardedReduce(Collective):
             try:
                 stub = self.channels.stub(manifest.endpoints[member])
                 replies = stub.GetShard(request, timeout=max(0.1, call_deadline - time.monotonic()))
-                return self._read_reply(replies, shard, bounds, len(manifest.members), call_deadline)
+                return self._read_reply(replies, shard, bounds, len(manifest.members), call_deadline, out=out)
+            except Superseded:
+                raise
             except (grpc.RpcError, CollectiveError, WireError) as e:
                 logger.info("round %d: %s could not fill shard %d: %s", round_, member, shard, e)
         return None
-
-    # ---- the owner's side -----------------------------------------------------------------
-
-    def _serve_reduce(self, requests, context):
-        first = next(requests, None)
-        if first is None:
-            raise ContributionRejected("empty stream")
-        try:  # before anything is admitted or waited for: the per-sender cap counts proven senders only
-            self.verifier.verify(KIND, signed_header(first), first.sender, first.sender_key, first.signature)
-        except Unauthenticated as e:
-            self._reject(first.round, first.sender, e)
-            yield wire_pb2.ReduceReply(status=wire_pb2.ReduceReply.REJECTED, round=first.round, error=str(e))
-            return
-        release, stranger = self._calls.admit(first.sender), None
-        if release is None:
-            error = f"too many Reduce calls at once from {first.sender[:40]!r} (at most {PER_SENDER_CALLS})"
-        elif (stranger := self._strangers.admit(first.group, first.sender)) is None:
-            release()
-            error = f"{first.sender[:40]!r} is in no recent manifest and {STRANGER_CALLS} such calls are served"
-        if release is None or stranger is None:
-            self._reject(first.round, first.sender, error)
-            raise Overloaded(error)
-        for callback in (release, stranger, self.slots.wake):
-            context.add_callback(callback)
-        try:
-            yield from self._serve_part(first, requests, context)
-        finally:
-            release()
-            stranger()
-
-    def _serve_part(self, first, requests, context):
-        slot = None  # set once the (signed) sender is known to be a member of the round
-        try:
-            if first.sender == self.me:
-                raise ContributionRejected(f"a remote part claims this owner's own id {first.sender[:40]!r}")
-            wait_s = min(max(0.0, context.time_remaining() or 0),
-                         self.sync.reduce_timeout_s + self.sync.manifest_s + self.sync.announce_s)
-            waited = self.slots.wait_slot(first.group, first.round, timeout=wait_s, active=context.is_active)
-            if first.run_id != waited.run:
-                raise ContributionRejected(f"part for run {first.run_id[:80]!r}, this owner serves {waited.run!r}")
-            if first.sender not in waited.members:
-                raise ContributionRejected(f"{first.sender!r} is not a member of round {first.round}")
-            slot = waited
-            validate_weight(first.weight, self.max_weight)
-            if first.shard != slot.shard or first.codec != slot.codec_name:
-                raise ContributionRejected(f"shard {first.shard}/codec {first.codec!r} do not match this owner's "
-                                           f"shard {slot.shard}/{slot.codec_name!r}")
-            blob = assemble(first.total_bytes, part_bytes(first, requests),
-                            self.combiner.max_reply_bytes(slot.bounds, 1))
-            check_digest(blob, first.digest, first.sender)
-            slot.add(first.sender, self.combiner.accept(blob, slot.bounds), first.weight)
-        except (ContributionRejected, Unauthenticated, WireError, TimeoutError) as e:
-            if slot is not None:  # a member's refused part: the slot closes without waiting for it
-                slot.leave_out(first.sender)
-            self._reject(first.round, first.sender, e)
-            yield wire_pb2.ReduceReply(status=wire_pb2.ReduceReply.REJECTED, round=first.round, shard=first.shard,
-                                       error=str(e))
-            return
-        blob, contributors = slot.result()
-        reply = self.combiner.reply_for(blob, first.sender)  # sparse bundles: without the sender's own part
-        yield from reply_chunks(reply, contributors, slot.round, slot.shard, self.codec, self.sync.chunk_bytes)
-
-    def _serve_shard(self, request, context):
-        context.add_callback(self.slots.wake)
-        wait_s = min(max(request.wait_s, 0.0), 5.0) if math.isfinite(request.wait_s) else 0.0
-        held = self.slots.held(request.group, request.round, request.shard, timeout=wait_s, active=context.is_active)
-        if held is None:
-            yield wire_pb2.ReduceReply(status=wire_pb2.ReduceReply.NOT_READY, round=request.round,
-                                       shard=request.shard, error="shard not held here")
-            return
-        yield from reply_chunks(held[0], held[1], request.round, request.shard, self.codec, self.sync.chunk_bytes)

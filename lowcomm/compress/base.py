@@ -66,6 +66,7 @@ class Codec(abc.ABC):
     name: ClassVar[str]
     codec_id: ClassVar[int]
     accepted_dtypes: ClassVar[frozenset[WireDType]]
+    lossless: bool = False  # decode(encode(x)) == x for every finite float32 x
 
     def __init__(
         self,
@@ -113,14 +114,16 @@ class Codec(abc.ABC):
         # differently. The copy is exact; a CPU tensor is used as it is.
         return tensor.detach().to("cpu")
 
-    def _frame(self, shape: tuple[int, ...], dtype_code: WireDType, payload: bytes) -> bytes:
-        body = _BODY_HEADER.pack(dtype_code, len(shape)) + struct.pack(f"<{len(shape)}Q", *shape) + payload
-        flags = 0
+    def _frame(self, shape: tuple[int, ...], dtype_code: WireDType, payload) -> bytes:
+        """The frame of ``payload`` (bytes or a buffer), copied once when zstd is off."""
+        head = _BODY_HEADER.pack(dtype_code, len(shape)) + struct.pack(f"<{len(shape)}Q", *shape)
         if self.zstd_level > 0:
+            body = head + payload
             compressed = zstandard.ZstdCompressor(level=self.zstd_level, write_content_size=True).compress(body)
             if len(compressed) < len(body):
-                body, flags = compressed, FLAG_ZSTD
-        return _FRAME_HEADER.pack(MAGIC, FORMAT_VERSION, self.codec_id, flags) + body
+                return _FRAME_HEADER.pack(MAGIC, FORMAT_VERSION, self.codec_id, FLAG_ZSTD) + compressed
+            return _FRAME_HEADER.pack(MAGIC, FORMAT_VERSION, self.codec_id, 0) + body
+        return b"".join((_FRAME_HEADER.pack(MAGIC, FORMAT_VERSION, self.codec_id, 0), head, payload))
 
     def encoded_size(self, tensor: torch.Tensor) -> int:
         """Bytes ``encode(tensor)`` produces (zstd makes it data dependent)."""

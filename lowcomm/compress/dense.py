@@ -38,6 +38,10 @@ class DenseCodec(Codec):
             raise ValueError(f"dtype must be one of {sorted(_WIRE)}, got {dtype!r}")
         self.dtype = dtype
 
+    @property
+    def lossless(self) -> bool:
+        return self.dtype == "float32"
+
     def __repr__(self) -> str:
         return super().__repr__()[:-1] + f", dtype={self.dtype!r})"
 
