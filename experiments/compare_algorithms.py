@@ -53,11 +53,13 @@ from lowcomm.runtime.plots import compare_reports  # noqa: E402
 VARIANTS = {  # name: (run.algo, extra `simulate` flags[, run-config overrides])
     "ddp": ("ddp", []),
     "diloco": ("diloco", []),
-    "diloco-overlap": ("diloco", ["--overlap"]),
+    "diloco-overlap": ("diloco", ["--overlap"]),  # the default rule, eager
+    "diloco-overlap-delayed": ("diloco", ["--overlap"], {"diloco.overlap_update": "delayed"}),
     "streaming-diloco": ("streaming-diloco", []),
     "demo": ("demo", []),
     "sparseloco": ("sparseloco", []),
-    "sparseloco-overlap": ("sparseloco", ["--overlap"]),
+    "sparseloco-overlap": ("sparseloco", ["--overlap"]),  # the default rule, delayed
+    "sparseloco-overlap-eager": ("sparseloco", ["--overlap"], {"sparseloco.overlap_update": "eager"}),
     "noloco": ("noloco", []),
 }
 

@@ -26,6 +26,7 @@ from lowcomm.algorithms.diloco import CODECS as DILOCO_CODECS
 from lowcomm.algorithms.diloco import DilocoConfig
 from lowcomm.algorithms.inner import InnerConfig
 from lowcomm.algorithms.noloco import NoLoCoConfig
+from lowcomm.algorithms.overlap import UPDATES as OVERLAP_UPDATES
 from lowcomm.algorithms.sparseloco import SparseLoCoConfig
 from lowcomm.algorithms.streaming import CODECS as STREAMING_CODECS
 from lowcomm.algorithms.streaming import StreamingConfig, check_one_in_flight, rounds_started_by, step_after_rounds
@@ -240,6 +241,8 @@ class RunConfig:
                 ("data.dtype", self.data.dtype, TOKEN_DTYPES),
                 ("diloco.codec", self.diloco.codec, DILOCO_CODECS),
                 ("diloco.aggregate", self.diloco.aggregate, AGGREGATES),
+                ("diloco.overlap_update", self.diloco.overlap_update, OVERLAP_UPDATES),
+                ("sparseloco.overlap_update", self.sparseloco.overlap_update, OVERLAP_UPDATES),
                 ("streaming.codec", self.streaming.codec, STREAMING_CODECS),
                 ("sparseloco.values", self.sparseloco.values, VALUE_CODECS),
                 ("noloco.codec", self.noloco.codec, NOLOCO_CODECS),

@@ -34,6 +34,7 @@ class DilocoConfig:
     nesterov: bool = True
     codec: str = "uint8"  # one of CODECS
     overlap: bool = False  # one-step-delay overlap (ALGORITHMS.md §1)
+    overlap_update: str = "eager"  # the overlap's next start: one of algorithms.overlap.UPDATES
     aggregate: str = "median-clip"  # how a shard owner combines the Δ parts: one of collectives.robust.AGGREGATES
     trim_fraction: float = 0.25  # trimmed-mean: share of values left out at each end of a coordinate, in [0, 0.5)
     clip_tau: float = 1.0  # centered-clip: τ as a multiple of the parts' median distance from the clipped mean
@@ -63,6 +64,22 @@ class DiLoCo(OuterReplica):
             offset += p.numel()
         self.outer.step()
         self.outer.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def preview_outer(self, phi: list[torch.Tensor], grad: list[torch.Tensor]) -> list[torch.Tensor]:
+        """torch's SGD step (momentum μ, Nesterov, no dampening) on ``grad``, its buffers read, not written."""
+        lr, mu = self.config.outer_lr, self.config.outer_momentum
+        nesterov = self.config.nesterov and mu > 0
+        out = []
+        for p, g, param in zip(phi, grad, self.phi):
+            g = g.reshape(p.shape).to(torch.float32)
+            step = g
+            if mu > 0:
+                buf = self.outer.state.get(param, {}).get("momentum_buffer")
+                buf = g if buf is None else buf * mu + g
+                step = g + mu * buf if nesterov else buf
+            out.append(p.detach().to(torch.float32) - lr * step)
+        return out
 
     # ---- state for joiners, resyncs and checkpoints ------------------------------------------
 

@@ -64,6 +64,11 @@ class OuterReplica(Replica):
     def step_outer(self, result: RoundResult) -> None:
         raise NotImplementedError
 
+    def preview_outer(self, phi: list[torch.Tensor], grad: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``phi`` after an outer step on ``grad`` (one tensor per parameter), with the outer state as
+        it is now and left so: the eager overlap's start (algorithms.overlap)."""
+        raise NotImplementedError
+
     def apply(self, result: RoundResult) -> None:
         """The outer step on the agreed aggregate, then θ ← φ."""
         self.step_outer(result)

@@ -51,7 +51,9 @@ class Algorithm:
     def replica(self, spec: ReplicaSpec) -> Replica:
         """The replica of ``spec``, wrapped in the one-step-delay overlap where the config asks for it."""
         replica = self.build(spec)
-        return Overlapped(replica, spec.manifest_of) if self.overlaps(spec.config) else replica
+        if not self.overlaps(spec.config):
+            return replica
+        return Overlapped(replica, spec.manifest_of, getattr(spec.config, self.section).overlap_update)
 
 
 def _dense(codec: Callable[[object], str]) -> Callable[[object, list], DenseMean]:

@@ -56,6 +56,10 @@ class SparseLoCo(OuterReplica):
             sparseloco.outer_step(p, result.aggregate[offset:offset + p.numel()].reshape(p.shape), self.config.outer_lr)
             offset += p.numel()
 
+    def preview_outer(self, phi: list[torch.Tensor], grad: list[torch.Tensor]) -> list[torch.Tensor]:
+        """φ − η_out · grad (the outer step has no state)."""
+        return [p.detach().to(torch.float32) - self.config.outer_lr * g.reshape(p.shape) for p, g in zip(phi, grad)]
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {f"phi.{name}": p for name, p in zip(self.names, self.phi)}
 

@@ -8,6 +8,7 @@ up from its manifest.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -39,13 +40,13 @@ def inner_steps(model: nn.Module, grads) -> None:
             p.sub_(LR * g)
 
 
-def replicas(overlap: bool):
+def replicas(overlap: bool, update: str = "delayed"):
     group = InProcessGroup(REPLICAS)
     out = []
     for r in range(REPLICAS):
         model = make_model()
         replica = DiLoCo(model, DilocoConfig(outer_lr=0.7, outer_momentum=0.9), group.replica(r), KEY)
-        out.append(Overlapped(replica, manifest_of=lambda round_: None) if overlap else replica)
+        out.append(Overlapped(replica, manifest_of=lambda round_: None, update=update) if overlap else replica)
     return out
 
 
@@ -53,9 +54,9 @@ def phis(replica) -> list[torch.Tensor]:
     return [p.detach().clone() for p in replica.phi]
 
 
-def run(overlap: bool, grads) -> tuple[list, list]:
+def run(overlap: bool, grads, update: str = "delayed") -> tuple[list, list]:
     """φ after every round's sync on replica 0 (and every replica's final φ)."""
-    reps, history = replicas(overlap), []
+    reps, history = replicas(overlap, update), []
     for t in range(ROUNDS):
         for r, rep in enumerate(reps):
             inner_steps(rep.model, grads[r][t])
@@ -80,10 +81,11 @@ def close(a, b) -> bool:
     return all(torch.allclose(x, y, atol=1e-6, rtol=0) for x, y in zip(a, b))
 
 
-def test_overlap_reproduces_plain_diloco_phi_one_round_late():
+@pytest.mark.parametrize("update", ["delayed", "eager"])
+def test_overlap_reproduces_plain_diloco_phi_one_round_late(update):
     grads = fixed_grads()
     plain, plain_models = run(False, grads)
-    lagged, lagged_models = run(True, grads)
+    lagged, lagged_models = run(True, grads, update)
     assert close(lagged[0], phis(replicas(False)[0]))  # nothing applied after the first round: φ_0
     for t in range(ROUNDS):
         assert close(lagged[t + 1], plain[t]), f"φ after round {t} differs"
@@ -106,6 +108,36 @@ def test_overlap_keeps_own_progress_on_top_of_phi():
     with reps[0].global_model():
         assert close([p.detach() for p in reps[0].model.parameters()], reps[0].phi)
     assert close([p.detach() for p in reps[0].model.parameters()], before[0])  # put back
+
+
+def test_eager_overlap_starts_each_round_from_the_outer_step_on_its_estimate():
+    """s_{t+1} = φ_{t−1} − η(ĝ + μ·b) with b = μ·b_{t−1} + ĝ (Nesterov), ĝ = Δ̄_{t−1} + (Δ_t − Δ_{t−1})/n,
+    written out here by hand; φ itself moves with the agreed means only."""
+    grads, lr, mu = fixed_grads(2), 0.7, 0.9
+    reps = replicas(True, "eager")
+    phi = phis(reps[0])
+    buf, own_before, mean_before = None, [None] * REPLICAS, None
+    for t in range(3):
+        starts = [[p.detach().clone() for p in rep.model.parameters()] for rep in reps]
+        for r, rep in enumerate(reps):
+            inner_steps(rep.model, grads[r][t])
+        deltas = [[s - p.detach() for s, p in zip(starts[r], rep.model.parameters())] for r, rep in enumerate(reps)]
+        for rep in reps:
+            rep.sync(t, 1.0, timeout=10)
+        if mean_before is not None:  # round t − 1 landed: φ_{t−1} = the outer step on its mean
+            buf = [m.clone() for m in mean_before] if buf is None else [mu * b + m for b, m in zip(buf, mean_before)]
+            phi = [p - lr * (m + mu * b) for p, m, b in zip(phi, mean_before, buf)]
+        assert close(phis(reps[0]), phi)
+        for r, rep in enumerate(reps):
+            if mean_before is None:
+                estimate = deltas[r]  # round 0: nothing landed, the own progress alone
+            else:
+                estimate = [m + (d - b) / REPLICAS for m, d, b in zip(mean_before, deltas[r], own_before[r])]
+            trial = [m.clone() for m in estimate] if buf is None else [mu * b + g for b, g in zip(buf, estimate)]
+            expected = [p - lr * (g + mu * b) for p, g, b in zip(phi, estimate, trial)]
+            assert close([p.detach() for p in rep.model.parameters()], expected), f"round {t}, replica {r}"
+        mean_before = [sum(d[k] for d in deltas) / REPLICAS for k in range(len(phi))]
+        own_before = deltas
 
 
 class _Late:
