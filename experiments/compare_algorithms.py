@@ -53,13 +53,13 @@ from lowcomm.runtime.plots import compare_reports  # noqa: E402
 VARIANTS = {  # name: (run.algo, extra `simulate` flags[, run-config overrides])
     "ddp": ("ddp", []),
     "diloco": ("diloco", []),
-    "diloco-overlap": ("diloco", ["--overlap"]),  # the default rule, eager
+    "diloco-overlap": ("diloco", ["--overlap"]),  # the default rule, momentum
     "diloco-overlap-delayed": ("diloco", ["--overlap"], {"diloco.overlap_update": "delayed"}),
+    "diloco-overlap-eager": ("diloco", ["--overlap"], {"diloco.overlap_update": "eager"}),
     "streaming-diloco": ("streaming-diloco", []),
     "demo": ("demo", []),
     "sparseloco": ("sparseloco", []),
-    "sparseloco-overlap": ("sparseloco", ["--overlap"]),  # the default rule, delayed
-    "sparseloco-overlap-eager": ("sparseloco", ["--overlap"], {"sparseloco.overlap_update": "eager"}),
+    "sparseloco-overlap": ("sparseloco", ["--overlap"]),
     "noloco": ("noloco", []),
 }
 

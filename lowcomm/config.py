@@ -242,7 +242,6 @@ class RunConfig:
                 ("diloco.codec", self.diloco.codec, DILOCO_CODECS),
                 ("diloco.aggregate", self.diloco.aggregate, AGGREGATES),
                 ("diloco.overlap_update", self.diloco.overlap_update, OVERLAP_UPDATES),
-                ("sparseloco.overlap_update", self.sparseloco.overlap_update, OVERLAP_UPDATES),
                 ("streaming.codec", self.streaming.codec, STREAMING_CODECS),
                 ("sparseloco.values", self.sparseloco.values, VALUE_CODECS),
                 ("noloco.codec", self.noloco.codec, NOLOCO_CODECS),

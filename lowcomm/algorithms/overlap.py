@@ -8,13 +8,17 @@ Each replica (φ_0 = initial weights, s_1 = φ_0, nothing pending before round 1
                   wait → Δ̄_{t−1};  φ_{t−1} = OuterOpt(φ_{t−2}, Δ̄_{t−1})
               s_{t+1} = start_from(φ_{t−1}, Δ_t)
 
-``start_from`` is the update rule. "delayed" (`next_start`): s_{t+1} = φ_{t−1} − Δ_t, the newest
-global point plus this replica's unsynced progress, which restarts every round one outer step
-stale. "eager" (`EagerStart`, Kale, Douillard, Donchev 2025): s_{t+1} = OuterOpt(φ_{t−1}, ĝ_t)
-previewed, φ and the outer state untouched, where ĝ_t stands in for the average Δ̄_t still in
-flight: this replica's own fresh Δ_t for its share, the others' Δ_{t−1} (read from Δ̄_{t−1}) for
-theirs (`eager_estimate`). Either way φ is stepped only with the agreed averages, so it stays
-identical on every replica, and with gradients independent of θ the φ sequence is plain DiLoCo's.
+``start_from`` is the update rule (`start_rule`), with OuterOpt previewed: the step computed from
+the outer optimizer's state as it is, which it leaves unchanged.
+- "delayed" (`next_start`): s_{t+1} = φ_{t−1} − Δ_t, the newest global point plus this replica's
+  unsynced progress. It restarts every round one outer step stale.
+- "momentum": s_{t+1} = OuterOpt(φ_{t−1}, 0) − Δ_t: the part of the step to φ_t that no gradient
+  changes (ημ²·m_{t−1} for Nesterov SGD) is taken at once, the rest is stood in for by the replica's
+  own progress, as "delayed" does.
+- "eager": s_{t+1} = OuterOpt(φ_{t−1}, Δ_t): the whole outer step, on this replica's own Δ_t
+  standing in for the average Δ̄_t still in flight (after Kale, Douillard, Donchev 2025).
+φ itself is stepped only with the agreed averages, so it stays identical on every replica whatever
+the rule, and with gradients independent of θ the φ sequence is plain DiLoCo's.
 
 The algorithm supplies two callables, so DiLoCo (dense mean, Nesterov) and SparseLoCo (error
 feedback on Δ_t unchanged, then a sparse payload) share this code: ``launch(Δ_t)`` starts the
@@ -30,7 +34,7 @@ from typing import Any
 import torch
 
 Params = Sequence[torch.Tensor]
-UPDATES = ("eager", "delayed")  # the overlap's update rules (`diloco.overlap_update`)
+UPDATES = ("momentum", "delayed", "eager")  # the overlap's update rules (`diloco.overlap_update`)
 
 
 def progress(start: Params, end: Params) -> list[torch.Tensor]:
@@ -43,46 +47,17 @@ def next_start(phi: Params, own_progress: Params) -> list[torch.Tensor]:
     return [p.detach().float() - d for p, d in zip(phi, own_progress)]
 
 
-def eager_estimate(own: Params, mean_before: Params | None, own_before: Params | None,
-                   count_before: int) -> list[torch.Tensor]:
-    """ĝ_t, the stand-in for round t's average: each replica's share of it is the freshest Δ known here.
-
-    ``mean_before``: Δ̄_{t−1}, the mean of ``count_before`` contributions; ``own_before``: this replica's
-    Δ_{t−1} where it was one of them, else None. ĝ_t = Δ̄_{t−1} + (Δ_t − Δ_{t−1})/n where it was (its own
-    share replaced by the fresh one), (Δ_t + n·Δ̄_{t−1})/(n + 1) where it was not; Δ_t alone while no
-    average has landed (round 1, or after a state download).
-    """
-    if mean_before is None or count_before < 1:
-        return [d.clone() for d in own]
-    n = float(count_before)
-    if own_before is not None:
-        return [m + (d - b) / n for m, d, b in zip(mean_before, own, own_before)]
-    return [(d + n * m) / (n + 1.0) for m, d in zip(mean_before, own)]
-
-
-class EagerStart:
-    """The eager rule's ``start_from``: s_{t+1} = ``preview(φ_{t−1}, ĝ_t)``, the outer step on ĝ_t
-    that leaves φ and the outer optimizer's state as they are. ``landed()`` says what the round that
-    just landed gave: (Δ̄_{t−1}, its contributor count, whether this replica was one), or None."""
-
-    def __init__(self, preview: Callable[[Params, list[torch.Tensor]], list[torch.Tensor]],
-                 landed: Callable[[], tuple[list[torch.Tensor], int, bool] | None]):
-        self.preview, self.landed = preview, landed
-        self.own_before: list[torch.Tensor] | None = None  # Δ_{t−1}, sent in the round that lands next
-
-    def __call__(self, phi: Params, delta: list[torch.Tensor]) -> list[torch.Tensor]:
-        landed = self.landed()
-        if landed is None:
-            estimate = eager_estimate(delta, None, None, 0)
-        else:
-            mean, count, contributed = landed
-            estimate = eager_estimate(delta, mean, self.own_before if contributed else None, count)
-        self.own_before = delta
-        return self.preview(phi, estimate)
-
-    def forget(self) -> None:
-        """A state download or resync: this replica's Δ_{t−1} is in no round it will see land."""
-        self.own_before = None
+def start_rule(update: str, preview: Callable[[Params, list[torch.Tensor]], list[torch.Tensor]]
+               ) -> Callable[[Params, list[torch.Tensor]], list[torch.Tensor]]:
+    """``start_from(φ, Δ_t)`` of the rule ``update`` (one of UPDATES); ``preview(φ, g)``: φ after an
+    outer step on g, the outer optimizer's state read and left as it is."""
+    if update == "delayed":
+        return next_start
+    if update == "momentum":  # the step's part that no gradient changes: ημ²·m for Nesterov SGD
+        return lambda phi, delta: next_start(preview(phi, [torch.zeros_like(d) for d in delta]), delta)
+    if update == "eager":
+        return preview
+    raise ValueError(f"overlap update {update!r}: one of {', '.join(UPDATES)}")
 
 
 class OneStepDelay:

@@ -5,8 +5,8 @@ with algorithms.overlap's `OneStepDelay` (the recurrence the golden tests pin):
 
     sync(t):  Δ_t = s_t − θ (θ = e_t, the end of round t's inner steps);  start the reduce of Δ_t
               wait for round t−1's reduce (if any) → the outer step gives φ_{t−1}
-              θ ← s_{t+1}: eager, the outer step from φ_{t−1} previewed on ĝ_t (own Δ_t standing in
-                  for this replica's share of Δ̄_t, Δ̄_{t−1} for the others'); delayed, φ_{t−1} − Δ_t
+              θ ← s_{t+1} = start_from(φ_{t−1}, Δ_t), the rule `diloco.overlap_update` names
+                  (algorithms.overlap: momentum, delayed or eager)
     drain():  wait for the last reduce, θ ← φ (the end of training)
 
 ``sync(t)`` returns round t−1's result (None at the first round), so the caller logs and counts a
@@ -40,7 +40,7 @@ import torch
 
 from lowcomm.algorithms.base import Replica, RoundDropped, RoundFailed
 from lowcomm.algorithms.outer import OuterReplica
-from lowcomm.algorithms.overlap import EagerStart, OneStepDelay, next_start
+from lowcomm.algorithms.overlap import OneStepDelay, start_rule
 from lowcomm.collectives.base import CollectiveError, NotInRound, RoundResult
 
 POLL_S = 0.1
@@ -61,14 +61,13 @@ class Overlapped(Replica):
 
     def __init__(self, inner: OuterReplica, manifest_of: Callable[[int], object], update: str = "delayed"):
         """``manifest_of(round)``: the round's manifest, or None while there is none (the DHT);
-        ``update``: the rule for the next round's start, "eager" or "delayed" (algorithms.overlap)."""
+        ``update``: the rule for the next round's start, one of algorithms.overlap.UPDATES."""
         super().__init__(inner.model, inner.collective, inner.key, inner.tokens_per_step, inner.hooks)
         self.inner = inner
         self.manifest_of = manifest_of
         self.start = self._theta()  # s_1 = φ_0
         self.delay = OneStepDelay()  # the recurrence's bookkeeping: (round, handle) of the reduce in flight
-        self._just_landed: tuple[list[torch.Tensor], int, bool] | None = None  # (Δ̄, contributors, mine) now
-        self.eager = EagerStart(inner.preview_outer, lambda: self._just_landed) if update == "eager" else None
+        self.start_from = start_rule(update, inner.preview_outer)
         self._landed_mark: int | None = None  # the meter when a round last landed
 
     @property
@@ -144,8 +143,6 @@ class Overlapped(Replica):
         """φ (and the outer state) from a download; θ ← φ; nothing pending until ``enter``."""
         self.inner.load_state_tensors(tensors)
         self.start, self.pending = self._theta(), None
-        if self.eager is not None:
-            self.eager.forget()
 
     def enter(self, round_: int, wait_s: float = 0.0) -> bool:
         """After a download labelled ``round_``: round_ − 1's aggregate is still to be applied.
@@ -176,11 +173,10 @@ class Overlapped(Replica):
             launched.append((round_, self.inner.start_sync_delta(round_, delta, weight)))
             return launched[0]
 
-        self._just_landed = None
         try:
             self.start = self.delay.round(self.start, self._theta(), self.inner.phi, launch,
                                           lambda pending: self._land_pending(pending, timeout, finished),
-                                          self.eager or next_start)
+                                          self.start_from)
         except BaseException:
             self.pending = launched[0] if launched else None  # the round begun is the one in flight
             raise
@@ -222,18 +218,7 @@ class Overlapped(Replica):
         self.inner.step_outer(result)
         result.info["round"] = round_
         finished.append(result)
-        if self.eager is not None:
-            mine = not result.info.get("caught_up") and self.collective.me in result.contributors
-            self._just_landed = (self._split(result.aggregate), len(result.contributors), mine)
         return self.inner.phi
-
-    def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """A flat aggregate as one view per parameter of φ."""
-        out, offset = [], 0
-        for p in self.inner.phi:
-            out.append(flat[offset:offset + p.numel()].view(p.shape))
-            offset += p.numel()
-        return out
 
     def _theta(self) -> list[torch.Tensor]:
         return [p.detach().to("cpu", torch.float32).clone() for p in self.inner.model.parameters()]

@@ -53,7 +53,8 @@ class Algorithm:
         replica = self.build(spec)
         if not self.overlaps(spec.config):
             return replica
-        return Overlapped(replica, spec.manifest_of, getattr(spec.config, self.section).overlap_update)
+        update = getattr(getattr(spec.config, self.section), "overlap_update", "delayed")
+        return Overlapped(replica, spec.manifest_of, update)
 
 
 def _dense(codec: Callable[[object], str]) -> Callable[[object, list], DenseMean]:

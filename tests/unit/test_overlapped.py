@@ -81,7 +81,7 @@ def close(a, b) -> bool:
     return all(torch.allclose(x, y, atol=1e-6, rtol=0) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("update", ["delayed", "eager"])
+@pytest.mark.parametrize("update", ["delayed", "momentum", "eager"])
 def test_overlap_reproduces_plain_diloco_phi_one_round_late(update):
     grads = fixed_grads()
     plain, plain_models = run(False, grads)
@@ -110,13 +110,14 @@ def test_overlap_keeps_own_progress_on_top_of_phi():
     assert close([p.detach() for p in reps[0].model.parameters()], before[0])  # put back
 
 
-def test_eager_overlap_starts_each_round_from_the_outer_step_on_its_estimate():
-    """s_{t+1} = φ_{t−1} − η(ĝ + μ·b) with b = μ·b_{t−1} + ĝ (Nesterov), ĝ = Δ̄_{t−1} + (Δ_t − Δ_{t−1})/n,
-    written out here by hand; φ itself moves with the agreed means only."""
+@pytest.mark.parametrize("update", ["momentum", "eager"])
+def test_each_rule_starts_the_next_round_where_algorithms_overlap_says(update):
+    """Written out by hand, Nesterov SGD (b_t = μ·b_{t−1} + g, step η(g + μ·b_t)) from φ_{t−1}:
+    momentum, s_{t+1} = φ_{t−1} − ημ²·b_{t−1} − Δ_t; eager, s_{t+1} = φ_{t−1} − η(Δ_t + μ(μ·b_{t−1} + Δ_t)).
+    φ itself moves with the agreed means only, one round late, whatever the rule."""
     grads, lr, mu = fixed_grads(2), 0.7, 0.9
-    reps = replicas(True, "eager")
-    phi = phis(reps[0])
-    buf, own_before, mean_before = None, [None] * REPLICAS, None
+    reps = replicas(True, update)
+    phi, buf, mean_before = phis(reps[0]), None, None
     for t in range(3):
         starts = [[p.detach().clone() for p in rep.model.parameters()] for rep in reps]
         for r, rep in enumerate(reps):
@@ -129,15 +130,13 @@ def test_eager_overlap_starts_each_round_from_the_outer_step_on_its_estimate():
             phi = [p - lr * (m + mu * b) for p, m, b in zip(phi, mean_before, buf)]
         assert close(phis(reps[0]), phi)
         for r, rep in enumerate(reps):
-            if mean_before is None:
-                estimate = deltas[r]  # round 0: nothing landed, the own progress alone
+            held = buf if buf is not None else [torch.zeros_like(p) for p in phi]
+            if update == "momentum":
+                expected = [p - lr * mu * mu * b - d for p, b, d in zip(phi, held, deltas[r])]
             else:
-                estimate = [m + (d - b) / REPLICAS for m, d, b in zip(mean_before, deltas[r], own_before[r])]
-            trial = [m.clone() for m in estimate] if buf is None else [mu * b + g for b, g in zip(buf, estimate)]
-            expected = [p - lr * (g + mu * b) for p, g, b in zip(phi, estimate, trial)]
+                expected = [p - lr * (d + mu * (mu * b + d)) for p, b, d in zip(phi, held, deltas[r])]
             assert close([p.detach() for p in rep.model.parameters()], expected), f"round {t}, replica {r}"
         mean_before = [sum(d[k] for d in deltas) / REPLICAS for k in range(len(phi))]
-        own_before = deltas
 
 
 class _Late:
