@@ -66,7 +66,7 @@ class OuterReplica(Replica):
 
     def preview_outer(self, phi: list[torch.Tensor], grad: list[torch.Tensor]) -> list[torch.Tensor]:
         """``phi`` after an outer step on ``grad`` (one tensor per parameter), with the outer state as
-        it is now and left so: the eager overlap's start (algorithms.overlap)."""
+        it is now and left so: where the overlap's rules start a round (algorithms.overlap)."""
         raise NotImplementedError
 
     def apply(self, result: RoundResult) -> None:

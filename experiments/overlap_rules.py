@@ -1,0 +1,85 @@
+"""The one-step-delay overlap's update rules against plain DiLoCo, in one process (no network).
+
+    python experiments/overlap_rules.py [--steps 2000] [--seeds 0] [--rules plain delayed momentum eager]
+        [--out experiments/out/overlap_rules]
+
+A cell is (rule, seed): 4 replicas of the default model and config (the plain mean, as
+experiments/compare_algorithms.py's cells) trained for --steps inner steps each by
+lowcomm.runtime.in_process, the production replicas and combiner at the speed of the compute alone;
+``plain`` is DiLoCo without overlap, the others set `diloco.overlap_update` (algorithms.overlap).
+A cell whose JSON exists is not run again (resumable per row); OUT/table.md is rewritten after every
+cell, with the final held-out loss and its gap to plain DiLoCo's at the same seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from lowcomm.algorithms.overlap import UPDATES  # noqa: E402
+from lowcomm.config import default_config  # noqa: E402
+from lowcomm.runtime.in_process import run_in_process  # noqa: E402
+
+PEERS = 4
+
+
+def run_cell(out: Path, rule: str, steps: int, seed: int) -> dict:
+    path = out / f"{rule}-{steps}-s{seed}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    keys = {"diloco.aggregate": "mean", "run.steps": steps, "run.seed": seed}
+    if rule != "plain":
+        keys |= {"diloco.overlap": True, "diloco.overlap_update": rule}
+    t0 = time.time()
+    run = run_in_process(default_config().override(keys), peers=PEERS)
+    result = {"rule": rule, "steps": steps, "seed": seed, "loss": run.final_loss, "wall_s": round(time.time() - t0, 1)}
+    path.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def table(results: list[dict]) -> str:
+    plain = {(r["steps"], r["seed"]): r["loss"] for r in results if r["rule"] == "plain"}
+    rows = ["| rule | steps | seeds | final held-out loss | gap vs plain DiLoCo |", "| --- | --- | --- | --- | --- |"]
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["rule"], r["steps"]), []).append(r)
+    for (rule, steps), rs in groups.items():
+        losses = [r["loss"] for r in rs]
+        gaps = [100 * (r["loss"] / plain[(steps, r["seed"])] - 1) for r in rs if (steps, r["seed"]) in plain]
+        spread = f" ± {statistics.stdev(losses):.4f}" if len(losses) > 1 else ""
+        gap = f"{statistics.mean(gaps):+.1f}%" if gaps and rule != "plain" else ""
+        rows.append(f"| {rule} | {steps} | {','.join(str(r['seed']) for r in rs)} | "
+                    f"{statistics.mean(losses):.4f}{spread} | {gap} |")
+    return "\n".join(rows) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--rules", nargs="+", default=["plain", *UPDATES], choices=["plain", *UPDATES])
+    parser.add_argument("--out", type=Path, default=Path("experiments/out/overlap_rules"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    cells = [(rule, seed) for seed in args.seeds for rule in args.rules]
+    results, t0 = [], time.time()
+    for i, (rule, seed) in enumerate(cells):
+        print(f"[{i + 1}/{len(cells)}] {rule}, seed {seed} ...", flush=True)
+        results.append(run_cell(args.out, rule, args.steps, seed))
+        (args.out / "table.md").write_text(table(results))
+        left = len(cells) - i - 1
+        print(f"  loss {results[-1]['loss']:.4f}; ETA {(time.time() - t0) / (i + 1) * left / 60:.0f} min "
+              f"for {left} cells", flush=True)
+    print((args.out / "table.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
