@@ -1,12 +1,13 @@
 """The one-step-delay overlap's update rules against plain DiLoCo, in one process (no network).
 
     python experiments/overlap_rules.py [--steps 2000] [--seeds 0] [--rules plain delayed momentum eager]
-        [--out experiments/out/overlap_rules]
+        [--outer-momentum MU] [--out experiments/out/overlap_rules]
 
 A cell is (rule, seed): 4 replicas of the default model and config (the plain mean, as
 experiments/compare_algorithms.py's cells) trained for --steps inner steps each by
 lowcomm.runtime.in_process, the production replicas and combiner at the speed of the compute alone;
-``plain`` is DiLoCo without overlap, the others set `diloco.overlap_update` (algorithms.overlap).
+``plain`` is DiLoCo without overlap, the others set `diloco.overlap_update` (algorithms.overlap);
+--outer-momentum sets `diloco.outer_momentum` for every cell (a lower momentum under delay).
 A cell whose JSON exists is not run again (resumable per row); OUT/table.md is rewritten after every
 cell, with the final held-out loss and its gap to plain DiLoCo's at the same seed.
 """
@@ -31,32 +32,36 @@ from lowcomm.runtime.in_process import run_in_process  # noqa: E402
 PEERS = 4
 
 
-def run_cell(out: Path, rule: str, steps: int, seed: int) -> dict:
-    path = out / f"{rule}-{steps}-s{seed}.json"
+def run_cell(out: Path, rule: str, steps: int, seed: int, momentum: float | None) -> dict:
+    path = out / f"{rule}-{steps}-s{seed}{'' if momentum is None else f'-mu{momentum:g}'}.json"
     if path.exists():
         return json.loads(path.read_text())
     keys = {"diloco.aggregate": "mean", "run.steps": steps, "run.seed": seed}
+    if momentum is not None:
+        keys["diloco.outer_momentum"] = momentum
     if rule != "plain":
         keys |= {"diloco.overlap": True, "diloco.overlap_update": rule}
     t0 = time.time()
     run = run_in_process(default_config().override(keys), peers=PEERS)
-    result = {"rule": rule, "steps": steps, "seed": seed, "loss": run.final_loss, "wall_s": round(time.time() - t0, 1)}
+    result = {"rule": rule, "steps": steps, "seed": seed, "loss": run.final_loss, "wall_s": round(time.time() - t0, 1),
+              "outer_momentum": default_config().override(keys).diloco.outer_momentum}
     path.write_text(json.dumps(result, indent=1))
     return result
 
 
 def table(results: list[dict]) -> str:
-    plain = {(r["steps"], r["seed"]): r["loss"] for r in results if r["rule"] == "plain"}
-    rows = ["| rule | steps | seeds | final held-out loss | gap vs plain DiLoCo |", "| --- | --- | --- | --- | --- |"]
+    plain = {(r["steps"], r["seed"], r["outer_momentum"]): r["loss"] for r in results if r["rule"] == "plain"}
+    rows = ["| rule | outer momentum | steps | seeds | final held-out loss | gap vs plain DiLoCo (same μ) |",
+            "| --- | --- | --- | --- | --- | --- |"]
     groups: dict[tuple, list[dict]] = {}
     for r in results:
-        groups.setdefault((r["rule"], r["steps"]), []).append(r)
-    for (rule, steps), rs in groups.items():
+        groups.setdefault((r["rule"], r["outer_momentum"], r["steps"]), []).append(r)
+    for (rule, mu, steps), rs in groups.items():
         losses = [r["loss"] for r in rs]
-        gaps = [100 * (r["loss"] / plain[(steps, r["seed"])] - 1) for r in rs if (steps, r["seed"]) in plain]
+        gaps = [100 * (r["loss"] / plain[(steps, r["seed"], mu)] - 1) for r in rs if (steps, r["seed"], mu) in plain]
         spread = f" ± {statistics.stdev(losses):.4f}" if len(losses) > 1 else ""
         gap = f"{statistics.mean(gaps):+.1f}%" if gaps and rule != "plain" else ""
-        rows.append(f"| {rule} | {steps} | {','.join(str(r['seed']) for r in rs)} | "
+        rows.append(f"| {rule} | {mu:g} | {steps} | {','.join(str(r['seed']) for r in rs)} | "
                     f"{statistics.mean(losses):.4f}{spread} | {gap} |")
     return "\n".join(rows) + "\n"
 
@@ -66,6 +71,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--rules", nargs="+", default=["plain", *UPDATES], choices=["plain", *UPDATES])
+    parser.add_argument("--outer-momentum", type=float, default=None)
     parser.add_argument("--out", type=Path, default=Path("experiments/out/overlap_rules"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -73,8 +79,9 @@ def main() -> None:
     results, t0 = [], time.time()
     for i, (rule, seed) in enumerate(cells):
         print(f"[{i + 1}/{len(cells)}] {rule}, seed {seed} ...", flush=True)
-        results.append(run_cell(args.out, rule, args.steps, seed))
-        (args.out / "table.md").write_text(table(results))
+        results.append(run_cell(args.out, rule, args.steps, seed, args.outer_momentum))
+        done = [json.loads(p.read_text()) for p in sorted(args.out.glob("*.json"))]  # every cell of OUT
+        (args.out / "table.md").write_text(table(done))
         left = len(cells) - i - 1
         print(f"  loss {results[-1]['loss']:.4f}; ETA {(time.time() - t0) / (i + 1) * left / 60:.0f} min "
               f"for {left} cells", flush=True)
