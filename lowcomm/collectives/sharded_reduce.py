@@ -221,6 +221,12 @@ class ShardedReduce(ReduceServing, Collective):
             self.end_epoch(key, round_)
             raise CollectiveError(f"round {round_}: no shard could be obtained from anyone")
         contributors = sorted(set.intersection(*kept))
+        if contributors == [self.me] and set(manifest.senders) - {self.me} and (lost or timed_out):
+            # Some owner never answered it and no other member's part counted in every shard it holds:
+            # back from a cut, it ran this round under a manifest the others did not (Decision 27)
+            self.end_epoch(key, round_)
+            raise CollectiveError(f"round {round_}: some shards never came and no other member's part counted "
+                                  "in every shard: this peer is cut off")
         absent = (set(manifest.senders) - set(contributors)) | {manifest.owners[j] for j in lost}
         if absent:  # the exclusion every member reads from the same owner replies
             if absent - timed_out:

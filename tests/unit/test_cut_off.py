@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 from lowcomm.collectives.base import CollectiveError
 from lowcomm.collectives.config import SyncConfig
@@ -165,6 +166,33 @@ def test_a_reduce_in_which_nothing_reached_the_peer_and_nothing_came_back_is_no_
     handle = x.reduce(board).start(KEY, 3, payload(0), 1.0)
     with pytest.raises(CollectiveError, match="cut off"):
         handle.result(WAIT_S)
+
+
+def test_a_reduce_with_a_lost_shard_in_which_only_the_own_part_counted_is_no_round(nodes):
+    """Back from a cut under a manifest of its own, a peer's parts reach owners serving another one:
+    one shard never comes, and no other member's part counts in the rest (here a's part is refused
+    as non-finite, b never runs the round). Applying it would be its own Δ alone."""
+    a, b, x = nodes[:3]
+    board = Board(KEY.run, {a.id, b.id, x.id})
+    ids = sorted([a.id, b.id, x.id])
+    board.manifests[(KEY.group, 3)] = Manifest(KEY.run, KEY.group, 3, 1, ids[0], ids,
+                                               {n.id: n.endpoint for n in (a, b, x)}, ids, "fp32")
+    b.reduce(board)  # it serves, but never runs round 3
+    theirs = a.reduce(board).start(KEY, 3, torch.full_like(payload(0), float("nan")), 1.0)
+    mine = x.reduce(board).start(KEY, 3, payload(2), 1.0)
+    with pytest.raises(CollectiveError, match="cut off"):
+        mine.result(WAIT_S)
+    assert theirs.result(WAIT_S).contributors == [x.id]  # a applies x's part: it is not alone
+
+
+def test_a_peer_whose_every_other_part_was_refused_still_applies_the_round(nodes):
+    """Every shard came back and only the own part counted (the other member's was refused): that is
+    no cut, the round goes on without the refused part (tests/unit/test_streamed_reduce.py)."""
+    a, x = nodes[:2]
+    board = Board(KEY.run, {a.id, x.id})
+    a.reduce(board).start(KEY, 0, torch.full_like(payload(0), float("nan")), 1.0)
+    result = x.reduce(board).start(KEY, 0, payload(2), 1.0).result(WAIT_S)
+    assert result.contributors == [x.id] and result.info["lost_shards"] == []
 
 
 @pytest.mark.timeout(120)
