@@ -33,11 +33,12 @@ MAX_RUN_NAME = 128
 TOMBSTONE_MARGIN_S = 30.0  # how much longer than a record its tombstone lives
 # hivemind's caching, off: every read here asks for the latest records (latest=True), so a copy pushed to
 # the nearest node after each read (cache_nearest) and the background re-reads of cached keys before they
-# expire (cache_refresh_before_expiry) only cost traffic. A key's records go to its 3 nearest nodes (hivemind:
-# 5): every node asked during a store's or a read's search returns all of a key's records it holds (about
-# 1 KB each, mostly the owner's key and signature), and a record is stored again at least every half of
-# its lifetime, so fewer copies cost fewer bytes and no record (docs/scale.md)
-DHT_TRAFFIC = {"cache_nearest": 0, "cache_refresh_before_expiry": 0, "num_replicas": 3}
+# expire (cache_refresh_before_expiry) only cost traffic. Every node a store's or a read's search asks
+# answers with all of the key's records it holds, stored or cached (about 1 KB each, mostly the owner's key
+# and signature): a key's records go to its 3 nearest nodes (hivemind: 5) and a node keeps no copy of what
+# it read (cache_locally), so fewer nodes answer with them. A record is stored again at least every half
+# of its lifetime, so fewer copies lose none (experiments/dht_call_bytes.py, docs/scale.md)
+DHT_TRAFFIC = {"cache_nearest": 0, "cache_refresh_before_expiry": 0, "cache_locally": False, "num_replicas": 3}
 
 
 class ConfigRejected(RuntimeError):
