@@ -8,7 +8,9 @@ lowcomm's are transport.control.DHT_TRAFFIC's): --nodes DHT nodes (transport.con
 network namespace created for the row (and deleted after it), every node stores its peer record and
 its announcement of a round and reads both keys once (as every peer of a run does), then one node makes --calls calls of each kind. The kernel's count of
 the bytes sent on the namespace's loopback, less the idle rate measured first, divided by the calls,
-is a call's cost: every byte between the nodes, each counted once. A row whose JSON exists under
+is a call's cost: every byte between the nodes, each counted once. Unlike experiments/dht_cost.py (one
+kind of call per node, each in a namespace of its own), every node here has read the keys first, as
+in a run, which is what decides how many nodes answer a search with them when they keep copies. A row whose JSON exists under
 --out is skipped (resumable per row); OUT/table.md is rewritten after every row.
 """
 

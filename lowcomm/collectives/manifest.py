@@ -187,8 +187,15 @@ class ManifestAgreement:
         self._announce(group, round_, {"endpoint": None, "gone": True})  # readers drop it
 
     def _announce(self, group: str, round_: int, info: dict) -> None:
-        """Posts it to the live peers due in the group, and stores it (one ahead: only if one of them takes no posts)."""
-        due = [rec for p, rec in self.reads.live().items() if p != self.me and self.admits(p)
+        """Posts it to the live peers due in the group, and stores it (one ahead: only if one of them takes no posts).
+
+        An announcement ahead goes to the peers of the last read of the live records, however old: it
+        follows a round whose agreement read them. A peer that joined since misses it (the round's own
+        announcement, after a fresh read, reaches it); should that peer write the round's manifest
+        before this one reaches the round, it leaves this one out, as a peer that announced late
+        (Decision 8)."""
+        records = self.reads.live(cached=bool(info.get("ahead")))
+        due = [rec for p, rec in records.items() if p != self.me and self.admits(p)
                and rec.state in ("training", "joining") and self.due_in_group(group, rec)]
         posted_only = info.get("ahead") and self.wakes.posting and not any(rec.client_mode for rec in due)
         self.wakes.publish([rec.endpoint for rec in due], ANNOUNCE, group, round_, self.control.record(info),

@@ -37,8 +37,10 @@ class RoundReads:
             out = {**out, **self.control.manifests(group, round_)}
         return out
 
-    def live(self) -> dict[str, PeerRecord]:
-        """The live peer records, read again once older than a poll (a round's looks share one read)."""
-        if time.monotonic() - self._records[0] >= max(self.wakes.poll_s, self.wakes.dht_poll_s):
+    def live(self, cached: bool = False) -> dict[str, PeerRecord]:
+        """The live peer records, read again once older than a poll (a round's looks share one read);
+        ``cached``: the last ones read, whatever their age (read now only if none were)."""
+        age = time.monotonic() - self._records[0]
+        if age >= max(self.wakes.poll_s, self.wakes.dht_poll_s) and not (cached and age < float("inf")):
             self._records = (time.monotonic(), self.control.live_peers())
         return self._records[1]

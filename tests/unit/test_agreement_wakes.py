@@ -77,3 +77,26 @@ def test_a_round_settles_on_wakes_alone_with_a_bounded_number_of_reads():
         assert all(m is not None and m.leader == "a" and m.members == ids for m in results)
         for control in controls:  # 2 per look of the gather (one per wake), the quorum check's 2, a few manifest reads
             assert sum(control.reads.values()) <= 2 * len(ids) + 6, control.reads
+
+
+class RecordingSender:
+    """Remembers whom each wake went to."""
+
+    def __init__(self):
+        self.woken: list[set[str]] = []
+
+    def wake(self, endpoints, group, round_):
+        self.woken.append(set(endpoints))
+
+
+def test_an_announcement_ahead_goes_to_the_records_last_read_and_reads_none():
+    live = {p: PeerRecord(p, f"{p}:1", state="training", round=5) for p in ("a", "b")}
+    control, sender = CountedControl("a", {}, live), RecordingSender()
+    # a poll of 0: every look that may read the records reads them again
+    agreement = ManifestAgreement(control, SYNC, "a:1", wakes=Wakes(Wakeups(), sender, poll_s=0.0))
+    agreement.announce("0-0", 5)
+    live["c"] = PeerRecord("c", "c:1", state="training", round=5)  # joined since that read
+    agreement.announce("0-0", 6, ahead=True)
+    assert control.reads["peers"] == 1 and sender.woken == [{"b:1"}, {"b:1"}]
+    agreement.announce("0-0", 6)  # the round's own announcement reads them again: c hears of it
+    assert control.reads["peers"] == 2 and sender.woken[-1] == {"b:1", "c:1"}

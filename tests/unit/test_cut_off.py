@@ -1,8 +1,10 @@
 """A peer cut off from the swarm (docs/round-protocol.md, Decision 27): it neither writes nor follows a
 round it would take alone after a round with others, a minority writes no manifest while the majority
 is live, the survivors of a killed majority go on once the dead records expire, a one-peer run still
-runs, a reduce in which nothing reached the peer and nothing came back is no round, a peer back in the
-swarm awaits the parts of the round it runs, and a resync that no source serves gives up at its deadline.
+runs, a reduce in which nothing reached the peer and nothing came back is no round, nor one that lost
+a shard and counted only the peer's own part (a round whose other parts were refused goes on), a peer
+back in the swarm awaits the parts of the round it runs, and a resync that no source serves gives up at
+its deadline.
 
 Manifest cases run over test_who_counts' in-memory control plane; the reduce case over real gRPC on
 loopback (test_sharded_reduce's nodes). No assertion is on a duration.
@@ -190,9 +192,10 @@ def test_a_peer_whose_every_other_part_was_refused_still_applies_the_round(nodes
     no cut, the round goes on without the refused part (tests/unit/test_streamed_reduce.py)."""
     a, x = nodes[:2]
     board = Board(KEY.run, {a.id, x.id})
-    a.reduce(board).start(KEY, 0, torch.full_like(payload(0), float("nan")), 1.0)
+    theirs = a.reduce(board).start(KEY, 0, torch.full_like(payload(0), float("nan")), 1.0)
     result = x.reduce(board).start(KEY, 0, payload(2), 1.0).result(WAIT_S)
     assert result.contributors == [x.id] and result.info["lost_shards"] == []
+    assert theirs.result(WAIT_S).contributors == [x.id]
 
 
 @pytest.mark.timeout(120)
