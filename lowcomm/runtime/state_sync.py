@@ -32,6 +32,13 @@ FETCH_DEADLINE_S = 600.0  # a joiner's wait for a source (the run may not have s
 STATE_WAIT_S = 120.0  # how long a source may hold a download back until it reaches the requested round
 ANCHOR_SLACK_S = 5.0  # beyond sync.announce_s, how long a download waits for the coordinator's anchor
 EMPTY_POLL_S = 0.5  # a joiner that sees no state source yet looks again after this (each look a DHT read)
+RETRY_S, RETRY_MAX_S = 0.5, 8.0  # after the n-th download that got no state: a pause of RETRY_S·2ⁿ, capped, ×1-1.5
+
+
+def retry_pause_s(failures: int) -> float:
+    """The pause after ``failures`` downloads in a row got no state: doubling, with jitter, so that many
+    peers resyncing at once (a round that left most of them out) do not retry a busy source in step."""
+    return min(RETRY_MAX_S, RETRY_S * 2 ** min(failures, 8)) * random.uniform(1.0, 1.5)
 
 
 def resync_deadline_s(sync) -> float:
@@ -93,7 +100,7 @@ class StateSync:
         is training); False if there is none."""
         ctx, me = self.ctx, self.ctx.me
         deadline = time.monotonic() + (FETCH_DEADLINE_S if min_round is None else resync_deadline_s(self.config.sync))
-        empty_since = None
+        empty_since, failures = None, 0
         refused: set[str] = set()  # sources whose state was refused: another one is tried
         while time.monotonic() < deadline and not ctx.stop.is_set():
             everyone = ctx.control.live_peers()
@@ -129,8 +136,10 @@ class StateSync:
                 return True
             if loaded is False:
                 refused.add(source.peer_id)
-            elif ctx.stop.wait(0.5):  # no state there (unreachable, or not at the round): not at once again
+            elif ctx.stop.wait(retry_pause_s(failures)):  # no state there (unreachable, busy, not at the round)
                 break
+            else:
+                failures += 1
         return False
 
     def _admitted(self, peer_id: str) -> bool:
