@@ -40,7 +40,7 @@ from lowcomm.collectives.base import CollectiveError, NotInRound
 from lowcomm.collectives.config import SyncConfig
 from lowcomm.collectives.round_reads import RoundReads
 from lowcomm.transport.control import ControlPlane, PeerRecord
-from lowcomm.transport.round_posts import ANNOUNCE, MANIFEST
+from lowcomm.transport.round_posts import ANNOUNCE, MANIFEST, VOTE
 from lowcomm.transport.wakeups import Wakes
 
 logger = logging.getLogger(__name__)
@@ -181,6 +181,22 @@ class ManifestAgreement:
         """
         info = self._presence
         self._announce(group, round_, {**info, "ahead": True} if ahead else info)
+
+    def publish_vote(self, group: str, round_: int, phi_hash: str, ttl: float) -> None:
+        """This peer's φ hash of a round it applied: posted to the peers due in the group (their drift
+        checks) and the coordinator (its anchors), as known from the last read of the live records, and
+        stored for anyone else (a download's check, a peer that missed the post)."""
+        records = self.reads.live(cached=True)
+        endpoints = [rec.endpoint for p, rec in records.items() if p != self.me and self.admits(p)
+                     and ((rec.state in ("training", "joining") and self.due_in_group(group, rec))
+                          or rec.state in ("coordinator", "holder"))]
+        self.wakes.publish(endpoints if self.wakes.posting else [], VOTE, group, round_,
+                           self.control.record({"hash": phi_hash}),
+                           store=lambda: self.control.publish_phi_hash(group, round_, phi_hash, ttl))
+
+    def votes(self, group: str, round_: int, voters=frozenset(), fresh: bool = False) -> dict[str, str]:
+        """peer -> its φ hash of ``round_`` (round_reads.RoundReads.votes)."""
+        return self.reads.votes(group, round_, voters, fresh)
 
     def withdraw(self, group: str, round_: int) -> None:
         """Takes back an announcement ahead (a peer leaving): no manifest written after this counts it."""

@@ -1,4 +1,5 @@
-"""What agreement reads of a round: the records posted to this peer (transport.round_posts) and the DHT's.
+"""What agreement reads of a round (and the drift check of its φ votes): the records posted to this peer
+(transport.round_posts) and the DHT's.
 
 The posts are read at every look; the DHT when a look asks for it (``fresh``: before a round goes
 on without a peer, before this peer writes a manifest, a second look at racing manifests, a reader
@@ -12,7 +13,7 @@ from __future__ import annotations
 import time
 
 from lowcomm.transport.control import ControlPlane, PeerRecord
-from lowcomm.transport.round_posts import ANNOUNCE, MANIFEST, merge_announcements
+from lowcomm.transport.round_posts import ANNOUNCE, MANIFEST, VOTE, merge_announcements
 from lowcomm.transport.wakeups import Wakes
 
 
@@ -36,6 +37,17 @@ class RoundReads:
         if fresh or self.wakes.dht_due(MANIFEST, group, round_):
             out = {**out, **self.control.manifests(group, round_)}
         return out
+
+    def votes(self, group: str, round_: int, voters=frozenset(), fresh: bool = False) -> dict[str, str]:
+        """peer -> its φ hash of the round, posted or stored: the DHT is not read once every one of
+        ``voters`` posted its vote, and otherwise at its poll (or now: ``fresh``)."""
+        posted = {p: v["hash"] for p, v in self.wakes.posted(VOTE, group, round_).items()
+                  if isinstance(v.get("hash"), str)}
+        if voters and set(voters) <= posted.keys():
+            return posted
+        if fresh or self.wakes.dht_due(VOTE, group, round_):
+            return {**posted, **self.control.phi_hashes(group, round_)}
+        return posted
 
     def live(self, cached: bool = False) -> dict[str, PeerRecord]:
         """The live peer records, read again once older than a poll (a round's looks share one read);

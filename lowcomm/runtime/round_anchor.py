@@ -116,7 +116,12 @@ class RoundFollower:
                 self.next_vote += 1
                 continue
             members = self.agreement.trusted(self.group, round_)  # those of the newest manifest before it
-            votes = {p: h for p, h in self.control.phi_hashes(self.group, round_).items() if p in (members or ())}
+            first = self._first_seen.get(round_)
+            late = first is not None and time.monotonic() - first >= self.settle_s
+            # posted by the members; the DHT read at most once per poll until every member's is in, and once
+            # more before the round is settled without one
+            votes = {p: h for p, h in self.agreement.votes(self.group, round_, members or (), fresh=late).items()
+                     if p in (members or ())}
             if not votes and newest < round_:
                 return settled  # round - 1 is not applied anywhere yet
             first = self._first_seen.setdefault(round_, time.monotonic())

@@ -91,7 +91,11 @@ class StateSync:
         """φ's hash (the drift check) and the state snapshot (joiners) under the round reached."""
         r, per_step = self.replica, self.replica.per_step
         if r.shared_phi and (not per_step or r.round % self.config.ddp.epoch_steps == 0):
-            self.ctx.control.publish_phi_hash(r.key.group, r.round, r.phi_hash(), self.config.sync.record_ttl_s * 6)
+            ttl = self.config.sync.record_ttl_s * 6
+            if self.agreement is not None:  # posted to the members and the coordinator, and stored
+                self.agreement.publish_vote(r.key.group, r.round, r.phi_hash(), ttl)
+            else:
+                self.ctx.control.publish_phi_hash(r.key.group, r.round, r.phi_hash(), ttl)
         if not per_step:  # ddp's state is complete only after the optimizer step: it snapshots at epoch starts
             self.publish_snapshot()
 
@@ -238,6 +242,12 @@ class StateSync:
                 return
             raise RuntimeError("no peer to resync from; leaving the run")
 
+    def _votes(self, group: str, round_: int, voters, fresh: bool = False) -> dict[str, str]:
+        """The φ votes of ``round_``: posted ones first (the DHT at its poll), or the DHT's at every look."""
+        if self.agreement is not None:
+            return self.agreement.votes(group, round_, voters, fresh)
+        return self.ctx.control.phi_hashes(group, round_)
+
     def _end(self, step: int, event: str, round_: int) -> None:
         self.progress.step = step
         self.ctx.log.event(event, round=round_)
@@ -253,17 +263,19 @@ class StateSync:
 
         True when it resynced: the caller's round is then behind this peer and must not run.
         """
-        control, group, voters = self.ctx.control, self.replica.key.group, self.progress.last_contributors
+        group, voters = self.replica.key.group, self.progress.last_contributors
         if not voters:
             return False
         deadline = time.monotonic() + self.config.sync.announce_s
-        hashes = control.phi_hashes(group, round_)
+        hashes = self._votes(group, round_, voters)
         while not voters <= hashes.keys() and time.monotonic() < deadline:
             if self.ctx.stop.wait(0.2):
                 return False
-            hashes = control.phi_hashes(group, round_)
-        if not voters <= hashes.keys():
-            return False
+            hashes = self._votes(group, round_, voters)
+        if not voters <= hashes.keys():  # a vote whose post was lost: one last look in the DHT
+            hashes = self._votes(group, round_, voters, fresh=True)
+            if not voters <= hashes.keys():
+                return False
         sources = drift_sources(hashes, self.ctx.me, voters)
         if sources is None:
             return False

@@ -1,5 +1,5 @@
-"""Round records pushed over the data plane: a writer sends its announcement or manifest straight to the
-peers that wait on it, so a round settles without reading the DHT.
+"""Round records pushed over the data plane: a writer sends its announcement, manifest or φ vote straight
+to the peers that wait on it, so a round settles, and is checked, without reading the DHT.
 
 A post is the same JSON record the writer stores in the DHT, with the same proof: the writer's key
 signs the whole message (run, group, round, kind and record, transport.signing.sign_message), that
@@ -9,8 +9,8 @@ posts at every wake and the DHT only at a slow fallback poll, and once more befo
 out of a round.
 
 A replayed or reordered post changes nothing: an announcement only moves forward (announced ahead,
-then reached, then withdrawn) whatever order its posts arrive in, and a writer's manifest of a round
-is the first one it posted. The posts held are bounded: MAX_VALUE_BYTES each, MAX_POSTS_PER_ROUND
+then reached, then withdrawn) whatever order its posts arrive in, and a writer's manifest or vote of a
+round is the first one it posted. The posts held are bounded: MAX_VALUE_BYTES each, MAX_POSTS_PER_ROUND
 writers per round and kind, MAX_ROUNDS rounds (the round first posted to is dropped first). A post
 that fails a check, or comes from a peer the run does not admit, is refused with the reason (the
 service counts it, a `reject` event).
@@ -26,8 +26,8 @@ from typing import Callable
 from lowcomm.proto import wire_pb2
 from lowcomm.transport.signing import Signer, Unauthenticated, Verifier, sign_message, verify_message
 
-ANNOUNCE, MANIFEST = "announce", "manifest"
-KINDS = (ANNOUNCE, MANIFEST)
+ANNOUNCE, MANIFEST, VOTE = "announce", "manifest", "phi"  # VOTE: a peer's φ hash of a round it applied
+KINDS = (ANNOUNCE, MANIFEST, VOTE)
 SIGNED_KIND = "round-post"  # what the signature's kind field says (transport.signing.signed_bytes)
 MAX_VALUE_BYTES = 256 * 1024  # a manifest of ~2,000 members
 MAX_POSTS_PER_ROUND = 4096

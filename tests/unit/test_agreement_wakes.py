@@ -1,16 +1,20 @@
 """Agreement without polling (transport.wakeups): peers whose slow poll never comes within the test
 (an hour) still settle every round, because each announcement and the manifest wake the peers that
 wait on them; and the DHT reads a round costs a peer stay within a bound of the design: a look per
-wake (each other peer's announcement, the manifest) and a few of its own, not one per 50 ms."""
+wake (each other peer's announcement, the manifest) and a few of its own, not one per 50 ms. An
+announcement ahead reads no records; a φ vote is posted to the due peers and the coordinator."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import Counter
 
 from lowcomm.collectives.config import SyncConfig
 from lowcomm.collectives.manifest import ManifestAgreement
 from lowcomm.transport.control import PeerRecord
+from lowcomm.transport.round_posts import VOTE, RoundPosts
+from lowcomm.transport.signing import Signer
 from lowcomm.transport.wakeups import Wakes, Wakeups
 from unit.test_who_counts import MemoryControl
 
@@ -100,3 +104,30 @@ def test_an_announcement_ahead_goes_to_the_records_last_read_and_reads_none():
     assert control.reads["peers"] == 1 and sender.woken == [{"b:1"}, {"b:1"}]
     agreement.announce("0-0", 6)  # the round's own announcement reads them again: c hears of it
     assert control.reads["peers"] == 2 and sender.woken[-1] == {"b:1", "c:1"}
+
+
+class PostRecorder(RecordingSender):
+    """Remembers whom each post went to, and what it carried."""
+
+    def __init__(self):
+        super().__init__()
+        self.posted: list[tuple[set[str], str, dict]] = []
+
+    def send(self, endpoints, request):
+        self.posted.append((set(endpoints), request.kind, json.loads(request.value)))
+
+
+def test_a_vote_is_posted_to_the_due_peers_and_the_coordinator_and_stored():
+    signer = Signer.generate()
+    me = signer.peer_id
+    live = {me: PeerRecord(me, "me:1", state="training", round=5),
+            "b": PeerRecord("b", "b:1", state="training", round=5),
+            "coord": PeerRecord("coord", "coord:1", state="coordinator"),
+            "gone": PeerRecord("gone", "gone:1", state="leaving", round=5)}
+    store, sender = {}, PostRecorder()
+    agreement = ManifestAgreement(CountedControl(me, store, live), SYNC, "me:1",
+                                  wakes=Wakes(Wakeups(), sender, NEVER_S, posts=RoundPosts("run"), signer=signer))
+    agreement.publish_vote("0-0", 5, "h5", 60)
+    assert sender.posted == [({"b:1", "coord:1"}, VOTE, {"peer_id": me, "hash": "h5"})]
+    assert store[("phi", "0-0", 5)] == {me: "h5"}  # for a download's check and a peer that missed the post
+    assert agreement.votes("0-0", 5, {me}) == {me: "h5"}  # its own vote, kept among its posts

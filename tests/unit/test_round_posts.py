@@ -1,8 +1,8 @@
-"""Round posts (transport.round_posts): a writer's announcement or manifest pushed to the peers waiting
-on it, signed by the writer's key. Forged, relabelled, oversized, malformed and foreign posts are
+"""Round posts (transport.round_posts): a writer's announcement, manifest or φ vote pushed to the peers
+waiting on it, signed by the writer's key. Forged, relabelled, oversized, malformed and foreign posts are
 refused through a real gRPC server (each a `reject`); replayed and reordered posts never move an
-announcement back; the posts held are bounded; and four peers agree on a round from posts alone,
-reading no announcement from the DHT."""
+announcement back; the posts held are bounded; four peers agree on a round from posts alone,
+reading no announcement from the DHT; and posted votes spare the drift check its DHT reads."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ from lowcomm.collectives.config import SyncConfig
 from lowcomm.collectives.manifest import ManifestAgreement
 from lowcomm.transport import round_posts
 from lowcomm.transport.control import PeerRecord
-from lowcomm.transport.round_posts import ANNOUNCE, MANIFEST, PostRefused, RoundPosts, merge_announcements, post_request
+from lowcomm.collectives.round_reads import RoundReads
+from lowcomm.transport.round_posts import (ANNOUNCE, MANIFEST, VOTE, PostRefused, RoundPosts, merge_announcements,
+                                           post_request)
 from lowcomm.transport.signing import Signer, sign_message
 from lowcomm.transport.wakeups import Wakes, Wakeups
 from rpc_fuzz import WatchedService, served
@@ -59,7 +61,7 @@ def test_a_signed_post_is_kept_and_forged_or_foreign_ones_are_refused(signers, m
         unsigned = forged(lambda r: r.ClearField("signature"))
         huge = post_request(alice, "run", MANIFEST, "0-0", 4,
                             {"peer_id": alice.peer_id, "manifest": "x" * round_posts.MAX_VALUE_BYTES})
-        unknown = post_request(alice, "run", "phi", "0-0", 4, record(alice))
+        unknown = post_request(alice, "run", "gossip", "0-0", 4, record(alice))
         not_json = forged(lambda r: setattr(r, "value", b"\xff{"))  # the digest no longer matches either
         list_value = post_request(alice, "run", ANNOUNCE, "0-0", 4, record(alice))
         list_value.value = b"[1]"
@@ -233,3 +235,31 @@ def test_a_post_from_a_peer_the_run_does_not_admit_is_refused_at_the_door(signer
         posts.accept(post_request(outsider, "run", ANNOUNCE, "0-0", 1, record(outsider)))
     posts.accept(post_request(alice, "run", ANNOUNCE, "0-0", 1, record(alice)))
     assert list(posts.records(ANNOUNCE, "0-0", 1)) == [alice.peer_id]
+
+
+class CountedControl(MemoryControl):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.vote_reads = 0
+
+    def phi_hashes(self, group, round_):
+        self.vote_reads += 1
+        return super().phi_hashes(group, round_)
+
+
+def test_posted_votes_are_read_without_the_dht_and_a_missing_one_from_it(signers):
+    alice, bob = signers[:2]
+    posts, store = RoundPosts("run"), {}
+    for phi_hash in ("h1", "h2"):  # the first vote a writer posted for a round stays
+        posts.accept(post_request(alice, "run", VOTE, "0-0", 3, {"peer_id": alice.peer_id, "hash": phi_hash}))
+    MemoryControl(bob.peer_id, store, {}).publish_phi_hash("0-0", 3, "h1", 60)  # bob's post was lost
+    control = CountedControl("me", store, {})
+    reads = RoundReads(control, Wakes(None, None, NEVER_S, posts=posts, dht_poll_s=NEVER_S))
+    assert reads.votes("0-0", 3, {alice.peer_id}) == {alice.peer_id: "h1"} and control.vote_reads == 0
+    assert reads.votes("0-0", 3, {alice.peer_id, bob.peer_id}) == {alice.peer_id: "h1"}  # the DHT at its poll
+    assert control.vote_reads == 0
+    both = reads.votes("0-0", 3, {alice.peer_id, bob.peer_id}, fresh=True)  # the drift check's last look
+    assert both == {alice.peer_id: "h1", bob.peer_id: "h1"} and control.vote_reads == 1
+    # without posts (a peer nobody can dial), every look reads the DHT
+    polling = RoundReads(control, Wakes(None, None, NEVER_S))
+    assert polling.votes("0-0", 3, {bob.peer_id}) == {bob.peer_id: "h1"} and control.vote_reads == 2
