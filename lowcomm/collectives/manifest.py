@@ -30,14 +30,13 @@ alone on a φ of its own.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
-from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from lowcomm.collectives.base import CollectiveError, NotInRound
 from lowcomm.collectives.config import SyncConfig
+from lowcomm.collectives.manifest_record import Manifest, bounded_fan_in  # noqa: F401  (imported from here)
 from lowcomm.collectives.round_reads import RoundReads
 from lowcomm.transport.control import ControlPlane, PeerRecord
 from lowcomm.transport.round_posts import ANNOUNCE, MANIFEST, VOTE
@@ -47,43 +46,6 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.05  # how often a wait reads the DHT without wakes (transport.wakeups: with them, when woken)
 QUORUM_POLL_S = 0.5  # how often a writer short of a quorum looks again (announcers and live records)
 KNOWN_MANIFESTS = 8  # per group: the manifests remembered for the writer check
-
-
-@dataclass
-class Manifest:
-    run: str
-    group: str
-    round: int  # first round of the epoch
-    epoch_rounds: int
-    leader: str
-    members: list[str]
-    endpoints: dict[str, str]
-    owners: list[str]
-    codec: str
-    contributors: list[str] = field(default_factory=list)  # empty: every member contributes
-
-    @property
-    def senders(self) -> list[str]:
-        """The members whose contributions the round's owners accept."""
-        return self.contributors or self.members
-
-    def covers(self, round_: int) -> bool:
-        return self.round <= round_ < self.round + self.epoch_rounds
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, raw: dict) -> "Manifest":
-        manifest = cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k != "contributors"},
-                       contributors=list(raw.get("contributors") or []))
-        if not set(manifest.contributors) <= set(manifest.members):
-            raise ValueError("manifest names a contributor outside its members")
-        if not manifest.owners or not set(manifest.owners) <= set(manifest.members):
-            raise ValueError("manifest has no owners or an owner outside its members")
-        if set(manifest.endpoints) != set(manifest.members):
-            raise ValueError("manifest endpoints do not match its members")
-        return manifest
 
 
 class ManifestAgreement:
@@ -396,15 +358,6 @@ class ManifestAgreement:
         if self.me not in manifest.members:
             raise NotInRound(f"round {round_}: this peer is not in the manifest (announced too late)", manifest)
         return manifest
-
-
-def bounded_fan_in(run: str, group: str, round_: int, members: list[str], limit: int) -> list[str]:
-    """The round's contributors when at most ``limit`` may send (0: no bound, returns [] = everyone)."""
-    if limit <= 0 or len(members) <= limit:
-        return []
-    def key(peer: str) -> bytes:
-        return hashlib.sha256(b"\x00".join(x.encode() for x in (run, group, str(round_), peer))).digest()
-    return sorted(sorted(members, key=lambda peer: (key(peer), peer))[:limit])
 
 
 def _first_valid(manifests: dict[str, dict], group: str, round_: int,

@@ -1,0 +1,53 @@
+"""A round's manifest as it is stored and posted, and who in it may contribute (collectives.manifest
+says how peers agree on one)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Manifest:
+    run: str
+    group: str
+    round: int  # first round of the epoch
+    epoch_rounds: int
+    leader: str
+    members: list[str]
+    endpoints: dict[str, str]
+    owners: list[str]
+    codec: str
+    contributors: list[str] = field(default_factory=list)  # empty: every member contributes
+
+    @property
+    def senders(self) -> list[str]:
+        """The members whose contributions the round's owners accept."""
+        return self.contributors or self.members
+
+    def covers(self, round_: int) -> bool:
+        return self.round <= round_ < self.round + self.epoch_rounds
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "Manifest":
+        manifest = cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k != "contributors"},
+                       contributors=list(raw.get("contributors") or []))
+        if not set(manifest.contributors) <= set(manifest.members):
+            raise ValueError("manifest names a contributor outside its members")
+        if not manifest.owners or not set(manifest.owners) <= set(manifest.members):
+            raise ValueError("manifest has no owners or an owner outside its members")
+        if set(manifest.endpoints) != set(manifest.members):
+            raise ValueError("manifest endpoints do not match its members")
+        return manifest
+
+
+def bounded_fan_in(run: str, group: str, round_: int, members: list[str], limit: int) -> list[str]:
+    """The round's contributors when at most ``limit`` may send (0: no bound, returns [] = everyone)."""
+    if limit <= 0 or len(members) <= limit:
+        return []
+    def key(peer: str) -> bytes:
+        return hashlib.sha256(b"\x00".join(x.encode() for x in (run, group, str(round_), peer))).digest()
+    return sorted(sorted(members, key=lambda peer: (key(peer), peer))[:limit])
