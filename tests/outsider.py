@@ -39,6 +39,7 @@ import torch
 from hivemind.dht.crypto import RSASignatureValidator
 
 from lowcomm.collectives.combiners import DenseMean
+from lowcomm.collectives.manifest_record import Manifest
 from lowcomm.collectives.reduce_messages import KIND
 from lowcomm.proto import wire_pb2
 from lowcomm.runtime.state_transfer import StateHolder, download_state, encode_state
@@ -170,7 +171,7 @@ class Outsider:
 
 def _header(manifest: dict, round_: int, shard: int, weight: float) -> dict:
     return dict(run_id=manifest["run"], group=manifest["group"], round=round_, epoch=manifest["round"], shard=shard,
-                weight=weight, codec=manifest["codec"])
+                weight=weight, codec=manifest["codec"], manifest=Manifest.from_dict(manifest).digest)
 
 
 def _ones(manifest: dict, shard: int, numel: int) -> bytes:

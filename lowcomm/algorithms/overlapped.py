@@ -18,9 +18,11 @@ round (``NotInRound`` with the manifest): it fetches the round's agreed aggregat
 (``fetch_round``), applies the same outer step and stays on the shared φ, losing only its own
 Δ_{t−1}. A replica that enters from a state download labelled round r holds φ_{r−2} (what the
 members held after launching round r−1), so ``enter(r)`` reads round r−1's manifest at once and
-schedules its aggregate to be fetched the same way at the first sync: from then on it holds the
-members' φ. (A state resumed from a checkpoint has no such round: it is dropped, and said so.) Any other failure
-of a pending round propagates as ``RoundFailed`` (the peer resyncs and ``enter``s again).
+fetches its aggregate the same way, to be applied at the first sync: from then on it holds the
+members' φ. That fetch starts at once, in the background: the members keep a round's shards only
+while they run the next two rounds. (A state resumed from a checkpoint has no such round: it is
+dropped, and said so.) Any other failure of a pending round propagates as ``RoundFailed`` (the peer
+resyncs and ``enter``s again).
 
 The schedule (``after_inner_step``): every H steps ``sync(t)``; at the run's last step the final
 round lands at once (θ ← φ for the final evaluation), and ``finish`` lands it for a run whose
@@ -33,8 +35,11 @@ enters there fetches round t's aggregate at its first sync.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
@@ -47,13 +52,28 @@ POLL_S = 0.1
 
 
 class _FetchRound:
-    """A pending round this replica did not take part in: its aggregate, fetched from its members."""
+    """The round in flight when this replica entered: its aggregate, fetched from the round's members
+    in the background from the moment it entered (they keep a round's shards only while they run the
+    next two: reduce_owner.KEEP_ROUNDS), not only once the first sync waits for it."""
 
-    def __init__(self, round_: int, manifest):
-        self.round, self.manifest = round_, manifest
+    def __init__(self, round_: int, manifest, fetch: Callable[[int, object], RoundResult]):
+        self.round = round_
+        self._done: Future = Future()
+        threading.Thread(target=self._fetch, args=(fetch, manifest), daemon=True, name=f"fetch-round-{round_}").start()
+
+    def _fetch(self, fetch, manifest) -> None:
+        try:
+            self._done.set_result(fetch(self.round, manifest))
+        except BaseException as e:  # raised in the sync that waits for it
+            self._done.set_exception(e)
 
     def result(self, timeout: float | None = None) -> RoundResult:
-        raise NotInRound(f"round {self.round} ran before this replica entered", self.manifest)
+        try:
+            result = self._done.result(timeout)
+        except FutureTimeout:
+            raise TimeoutError(f"round {self.round}: its aggregate did not come within {timeout} s") from None
+        result.info["caught_up"] = True
+        return result
 
 
 class Overlapped(Replica):
@@ -160,7 +180,7 @@ class Overlapped(Replica):
             time.sleep(POLL_S)
             manifest = self.manifest_of(round_ - 1)
         if manifest is not None:
-            self.pending = (round_ - 1, _FetchRound(round_ - 1, manifest))
+            self.pending = (round_ - 1, _FetchRound(round_ - 1, manifest, self.inner.fetch_round))
         return manifest is not None
 
     # ---- the recurrence ----------------------------------------------------------------------

@@ -4,7 +4,9 @@ says how peers agree on one)."""
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 
 
 @dataclass
@@ -30,6 +32,12 @@ class Manifest:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @cached_property
+    def digest(self) -> bytes:
+        """What names this manifest on the data plane: the sha256 of its canonical JSON. Every part and
+        shard request carries it, so two manifests of one round (a split) never mix their parts."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()).digest()
 
     @classmethod
     def from_dict(cls, raw: dict) -> "Manifest":

@@ -1,7 +1,7 @@
 """The sharded reduce's messages: a member's signed part as chunks, an owner's reply as chunks.
 
 A part's first chunk carries the header (run, group, round, epoch, sender, shard, weight, codec,
-size, sha256 of the blob, pieces, piece size and norm: 0 here) with the sender's key and its signature
+size, sha256 of the blob, pieces, piece size and norm: 0 here, and the manifest's digest) with the sender's key and its signature
 over that header (transport.signing); later chunks carry only bytes. A streamed part's messages
 are in collectives.pieces. A reply's first chunk carries the status, the
 contributor list and the size; later chunks only bytes.
@@ -34,7 +34,8 @@ def signed_header(first: wire_pb2.ReduceChunk) -> dict:
     """The header fields of a part's first chunk that its signature covers (as `part_chunks` signs them)."""
     return dict(run_id=first.run_id, group=first.group, round=first.round, epoch=first.epoch, sender=first.sender,
                 shard=first.shard, weight=first.weight, codec=first.codec, total_bytes=first.total_bytes,
-                digest=first.digest, pieces=first.pieces, piece_elems=first.piece_elems, norm=first.norm)
+                digest=first.digest, pieces=first.pieces, piece_elems=first.piece_elems, norm=first.norm,
+                manifest=first.manifest)
 
 
 def part_bytes(first: wire_pb2.ReduceChunk, requests) -> Iterator[bytes]:

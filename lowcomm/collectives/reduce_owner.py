@@ -33,6 +33,7 @@ from lowcomm.compress import CodecError, get_codec
 
 logger = logging.getLogger(__name__)
 KEEP_ROUNDS = 2
+EXPIRED = "round forgotten here"  # held(): a round more than KEEP_ROUNDS below the newest
 AHEAD_ROUNDS = 2  # a part may name a round this far past the owner's newest slot (the overlap's reach)
 MAX_WEIGHT = 1e12  # hard bound on a contribution's weight (tokens), whatever the round's own bound
 WAIT_SLICE_S = 1.0  # a waiting server thread looks at its call's state at least this often
@@ -57,6 +58,7 @@ class Slot:
     cond: threading.Condition = field(default_factory=threading.Condition)
     owner: str | None = None  # the owner's own id: no remote part may claim it
     run: str = ""  # the run the slot's round belongs to
+    manifest: bytes = b""  # the digest of the manifest the slot's round follows: another one's parts are refused
 
     @property
     def codec_name(self) -> str:
@@ -118,7 +120,7 @@ class OwnerSlots:
 
     def __init__(self):
         self._slots: dict[tuple[str, int], Slot] = {}
-        self._held: dict[tuple[str, int, int], tuple[bytes, list[str]]] = {}
+        self._held: dict[tuple[str, int, int], tuple[bytes, list[str], bytes]] = {}  # ... and its manifest
         self._newest: dict[str, int] = {}
         self._cond = threading.Condition()
         self.rejected = 0
@@ -175,22 +177,31 @@ class OwnerSlots:
         with self._cond:
             self._cond.notify_all()
 
-    def hold(self, group: str, round_: int, shard: int, blob: bytes, contributors: list[str]) -> None:
+    def hold(self, group: str, round_: int, shard: int, blob: bytes, contributors: list[str],
+             manifest: bytes) -> None:
+        """Keeps a shard's reply (own or another owner's) for the members that lost it; ``manifest``: the
+        digest of the manifest it was reduced under."""
         with self._cond:
-            self._held[(group, round_, shard)] = (blob, list(contributors))
+            self._held[(group, round_, shard)] = (blob, list(contributors), manifest)
             self._cond.notify_all()
 
-    def held(self, group: str, round_: int, shard: int, timeout: float,
-             active=None) -> tuple[bytes, list[str]] | None:
-        """The held shard, waiting up to ``timeout`` for it while ``active()`` holds; None if not held."""
+    def held(self, group: str, round_: int, shard: int, timeout: float, manifest: bytes,
+             active=None) -> tuple[bytes, list[str]] | str:
+        """The shard held under ``manifest``, waiting up to ``timeout`` for it while ``active()`` holds;
+        else why not: a round forgotten or held under another manifest answers at once."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while (group, round_, shard) not in self._held:
+                if round_ < self._newest.get(group, -1) - KEEP_ROUNDS:
+                    return EXPIRED
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or (active is not None and not active()):
-                    return None
+                    return "shard not held here"
                 self._cond.wait(min(remaining, WAIT_SLICE_S))
-            return self._held[(group, round_, shard)]
+            blob, contributors, held_under = self._held[(group, round_, shard)]
+            if held_under != manifest:
+                return f"round {round_} shard {shard} is held here under another manifest"
+            return blob, contributors
 
     def _forget_old(self, group: str) -> None:
         floor = self._newest[group] - KEEP_ROUNDS

@@ -1,12 +1,14 @@
 """The sharded reduce as a server: an owner takes members' parts of its shard and replies the aggregate.
 
 A part's header is checked (its signature, then the caller's places, the round's slot, membership,
-weight, shard and codec) before anything else is read. A one-blob part (collectives.reduce_messages)
+weight, the manifest it follows, shard and codec) before anything else is read. A one-blob part (collectives.reduce_messages)
 is assembled, checked against its digest, decoded and added; its reply goes out once the slot
 closes. A streamed part (collectives.pieces) is read by a thread of its own, each piece checked
 and added as it arrives, while the call's own thread sends each reduced piece back as soon as the
 slot has it (collectives.streamed_slot). A refused part is a `reject` event and a REJECTED reply,
 and the round goes on without it; nothing a remote part does raises into the owner's own round.
+A held shard is served only to a caller that names the manifest it was reduced under; a forgotten
+round is said so at once (EXPIRED), so a late member stops asking.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import threading
 from lowcomm.collectives.base import CollectiveError
 from lowcomm.collectives.pieces import Pieces, check_piece, header_digest, held_replies, reply_pieces
 from lowcomm.collectives.reduce_messages import KIND, part_bytes, reply_chunks, signed_header
-from lowcomm.collectives.reduce_owner import ContributionRejected, decode_contribution, validate_weight
+from lowcomm.collectives.reduce_owner import EXPIRED, ContributionRejected, decode_contribution, validate_weight
 from lowcomm.collectives.streamed_slot import StreamedSlot, check_norm
 from lowcomm.proto import wire_pb2
 from lowcomm.transport.service import Overloaded
@@ -110,6 +112,8 @@ class ReduceServing:
             raise ContributionRejected(f"{first.sender!r} is not a member of round {first.round}")
         # A header signed for another shard (an owner may forward what a member sent it) says nothing
         # of this one: refused, its sender still awaited.
+        if first.manifest != slot.manifest:  # a split round: the sender follows another manifest of it
+            raise ContributionRejected(f"a part of another manifest of round {first.round} than this owner's")
         if first.shard != slot.shard or first.codec != slot.codec_name:
             raise ContributionRejected(f"shard {first.shard}/codec {first.codec!r} do not match this owner's "
                                        f"shard {slot.shard}/{slot.codec_name!r}")
@@ -162,10 +166,11 @@ class ReduceServing:
     def _serve_shard(self, request, context):
         context.add_callback(self.slots.wake)
         wait_s = min(max(request.wait_s, 0.0), 5.0) if math.isfinite(request.wait_s) else 0.0
-        held = self.slots.held(request.group, request.round, request.shard, timeout=wait_s, active=context.is_active)
-        if held is None:
-            yield wire_pb2.ReduceReply(status=wire_pb2.ReduceReply.NOT_READY, round=request.round,
-                                       shard=request.shard, error="shard not held here")
+        held = self.slots.held(request.group, request.round, request.shard, timeout=wait_s,
+                               manifest=request.manifest, active=context.is_active)
+        if isinstance(held, str):
+            status = wire_pb2.ReduceReply.EXPIRED if held == EXPIRED else wire_pb2.ReduceReply.NOT_READY
+            yield wire_pb2.ReduceReply(status=status, round=request.round, shard=request.shard, error=held)
             return
         if isinstance(held[0], Pieces):
             yield from held_replies(held[0], held[1], request.round, request.shard, self.codec)

@@ -6,14 +6,16 @@ too) decodes those same bytes, so replicas agree exactly. The mean and the media
 stream: parts and replies travel as pieces that the owner reduces and sends back as they complete
 (collectives.pieces, collectives.streamed_slot), decoded straight into the round's aggregate;
 other combiners send one blob per part and reply once the slot closes. A shard whose owner died
-mid-reply is fetched from any member that received it; if none did, nobody applies that slice.
+mid-reply is fetched from any member that received it; if none did, nobody applies that slice
+(collectives.shard_fetch). A part or a shard request names the manifest its sender follows: when a
+round split into two manifests (a peer back from a cut wrote its own), their parts never mix.
 
 Membership comes from a manifest (collectives.manifest) that covers `epoch_rounds` rounds; a round
 in which a member failed to contribute ends the epoch, and the exclusion travels in the owners'
 contributor lists, so every member sees the same failure and re-forms the group.
 
 Every part is signed by its sender's key over (run, group, round, epoch, sender, shard, weight,
-codec, size, payload digest, pieces) (transport.signing); an owner checks the signature on the first
+codec, size, payload digest, pieces, the manifest's digest) (transport.signing); an owner checks the signature on the first
 chunk, before it admits the call or waits for the round, and the digest (of the blob, or of each
 piece, which is signed on its own) before it decodes it. The owner's side is in
 collectives.reduce_serving.
@@ -32,39 +34,28 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
-import grpc
 import torch
 
 from lowcomm.collectives.base import Collective, CollectiveError, FutureHandle, GroupKey, RoundResult
 from lowcomm.collectives.manifest import Manifest, ManifestAgreement
 from lowcomm.collectives.combiners import DenseMean
-from lowcomm.collectives.pieces import (AggregateSlices, Pieces, Sink, Superseded, decode_pieces, part_pieces, piece_elems,
-                                        read_pieces)
+from lowcomm.collectives.pieces import AggregateSlices, Pieces, Sink, decode_pieces, part_pieces, piece_elems
 from lowcomm.collectives.reduce_messages import part_chunks
 from lowcomm.collectives.reduce_owner import ContributionRejected, OwnerSlots, Slot, check_finite, validate_weight
 from lowcomm.collectives.reduce_serving import PER_SENDER_CALLS, STRANGER_CALLS, ReduceServing
 from lowcomm.collectives.streamed_slot import StreamedSlot
 from lowcomm.collectives.config import SyncConfig
 from lowcomm.collectives.sender_calls import SenderCalls, StrangerCalls
-from lowcomm.proto import wire_pb2
+from lowcomm.collectives.shard_fetch import ShardFetching, ShardReply
 from lowcomm.transport.service import PeerService
 from lowcomm.transport.signing import Signer, Verifier
-from lowcomm.transport.wire import Channels, Traffic, WireError, assemble
+from lowcomm.transport.wire import Channels, Traffic
 
 logger = logging.getLogger(__name__)
-OK = wire_pb2.ReduceReply.OK
 
 
-@dataclass
-class ShardReply:
-    values: torch.Tensor
-    contributors: list[str]
-    blob: bytes
-
-
-class ShardedReduce(ReduceServing, Collective):
+class ShardedReduce(ShardFetching, ReduceServing, Collective):
     """A peer's collective: `start(key, round, payload, weight).result(deadline)`."""
 
     def __init__(self, signer: Signer, service: PeerService, channels: Channels, traffic: Traffic,
@@ -187,7 +178,8 @@ class ShardedReduce(ReduceServing, Collective):
         timed_out = set()
         if my_shard is not None:
             replies[my_shard] = self._own_reply(slot, round_, sink(my_shard))
-            self.slots.hold(key.group, round_, my_shard, replies[my_shard].blob, replies[my_shard].contributors)
+            own = replies[my_shard]
+            self.slots.hold(key.group, round_, my_shard, own.blob, own.contributors, manifest.digest)
         for j, future in sends.items():
             try:
                 replies[j] = future.result(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
@@ -195,14 +187,14 @@ class ShardedReduce(ReduceServing, Collective):
                 timed_out.add(manifest.owners[j])
                 self.on_event("timeout", round=round_, owner=manifest.owners[j], error=str(e)[:200])
         for j, reply in replies.items():
-            self.slots.hold(key.group, round_, j, reply.blob, reply.contributors)
+            self.slots.hold(key.group, round_, j, reply.blob, reply.contributors, manifest.digest)
         missing = [j for j in range(len(manifest.owners)) if j not in replies]
         for j in missing:
             filled = self._fill_hole(manifest, key, round_, j, bounds[j],
                                      wait_s=min(5.0, max(1.0, deadline - time.monotonic() + 2.0)), out=sink(j))
             if filled is not None:
                 replies[j] = filled
-                self.slots.hold(key.group, round_, j, filled.blob, filled.contributors)
+                self.slots.hold(key.group, round_, j, filled.blob, filled.contributors, manifest.digest)
                 self.on_event("hole_filled", round=round_, shard=j, owner=manifest.owners[j])
         lost = [j for j in range(len(manifest.owners)) if j not in replies]
         if my_shard is not None and len(lost) == len(manifest.owners) - 1 > 0 and replies[my_shard].contributors == [self.me]:
@@ -247,8 +239,10 @@ class ShardedReduce(ReduceServing, Collective):
         members = frozenset(manifest.senders)
         if self.streams:
             return StreamedSlot(key.group, round_, shard, members, bounds, self.codec, self.combiner.zstd_level,
-                                self.elems, deadline, owner=self.me, run=key.run, clip=self.combiner.clips)
-        return Slot(key.group, round_, shard, members, bounds, self.combiner, deadline, owner=self.me, run=key.run)
+                                self.elems, deadline, owner=self.me, run=key.run, clip=self.combiner.clips,
+                                manifest=manifest.digest)
+        return Slot(key.group, round_, shard, members, bounds, self.combiner, deadline, owner=self.me, run=key.run,
+                    manifest=manifest.digest)
 
     def _add_own(self, slot, payload, bounds: tuple[int, int], weight: float) -> None:
         """The owner's own part into its slot; a refused one (non-finite, a bad weight) leaves it out."""
@@ -281,7 +275,7 @@ class ShardedReduce(ReduceServing, Collective):
         owner = manifest.owners[shard]
         stub = self.channels.stub(manifest.endpoints[owner])
         header = dict(run_id=key.run, group=key.group, round=round_, epoch=manifest.round, shard=shard, weight=weight,
-                      codec=self.codec)
+                      codec=self.codec, manifest=manifest.digest)
         if self.streams:  # each piece encoded as it is sent (a clipping owner's lossy pieces: first, for the norm)
             blob, (norm, encoded) = None, (0.0, None)
             if self.combiner.clips:
@@ -297,7 +291,7 @@ class ShardedReduce(ReduceServing, Collective):
         reply = self._read_reply(replies, shard, bounds, len(manifest.members), call_deadline, own_part=blob, out=out)
         # Held at once, not after every other shard: a member whose copy of this shard was lost
         # asks the others for it while they may still wait on slower owners.
-        self.slots.hold(key.group, round_, shard, reply.blob, reply.contributors)
+        self.slots.hold(key.group, round_, shard, reply.blob, reply.contributors, manifest.digest)
         return reply
 
     def _receive(self, manifest: Manifest, key: GroupKey, round_: int, shard: int, bounds: tuple[int, int],
@@ -310,81 +304,5 @@ class ShardedReduce(ReduceServing, Collective):
                 break
             if time.monotonic() >= deadline:
                 raise CollectiveError(f"owner of shard {shard} did not send its aggregate")
-        self.slots.hold(key.group, round_, shard, reply.blob, reply.contributors)
+        self.slots.hold(key.group, round_, shard, reply.blob, reply.contributors, manifest.digest)
         return reply
-
-    def _read_reply(self, stream, shard: int, bounds: tuple[int, int], members: int, deadline: float,
-                    own_part: bytes | None = None, out: Sink | None = None) -> ShardReply:
-        """An owner's or holder's reply → the shard's values; ``own_part``: what this member sent the owner;
-        ``out``: where a streamed shard's values go (else a tensor of their own)."""
-        if self.streams:
-            out = out if out is not None else Sink(torch.empty(bounds[1] - bounds[0]))
-            try:
-                pieces, contributors = read_pieces(self.traffic.receiving(stream, deadline), self.codec,
-                                                   bounds[1] - bounds[0], self.elems, out)
-            except ContributionRejected as e:
-                raise CollectiveError(f"owner of shard {shard}: {e}") from None
-            return ShardReply(out.values, contributors, pieces)
-        first, datas = None, []
-        for reply in self.traffic.receiving(stream, deadline):
-            if first is None:
-                first = reply
-                if reply.status != OK:
-                    raise CollectiveError(f"owner of shard {shard} refused: {reply.error}")
-            datas.append(reply.data)
-        if first is None:
-            raise CollectiveError(f"owner of shard {shard} sent no reply")
-        blob = assemble(first.total_bytes, datas, self.combiner.max_reply_bytes(bounds, members))
-        try:
-            blob = self.combiner.complete(blob, self.me, own_part)  # what is held and served: the whole reply
-            values = self.combiner.finish(blob, bounds)
-        except ContributionRejected as e:
-            raise CollectiveError(f"owner of shard {shard} replied with a bad aggregate: {e}") from None
-        return ShardReply(values, list(first.contributors), blob)
-
-    def catch_up(self, key: GroupKey, round_: int, numel: int, manifest: Manifest) -> RoundResult:
-        """The result of a round this peer was left out of, fetched from the members that hold it. Every
-        member keeps the round's encoded reduced shards (the bytes it applied), so a peer that announced
-        too late applies exactly those: it loses its own part but stays on the shared φ for one round's
-        download instead of the state's."""
-        t0 = time.monotonic()
-        self.slots.reach(key.group, round_)
-        deadline = t0 + self.sync.reduce_timeout_s + 2 * self.sync.manifest_s
-        bounds = self.combiner.shard_bounds(len(manifest.owners), numel)
-        replies: dict[int, ShardReply] = {}
-        while len(replies) < len(manifest.owners) and time.monotonic() < deadline:
-            for j in range(len(manifest.owners)):
-                if j not in replies:
-                    reply = self._fill_hole(manifest, key, round_, j, bounds[j],
-                                            ask_owner=True, wait_s=min(5.0, max(0.0, deadline - time.monotonic())))
-                    if reply is not None:
-                        replies[j] = reply
-        missing = sorted(set(range(len(manifest.owners))) - set(replies))
-        if missing:
-            raise CollectiveError(f"round {round_}: catching up, no member returned shards {missing}")
-        for j, reply in replies.items():
-            self.slots.hold(key.group, round_, j, reply.blob, reply.contributors)
-        contributors = sorted(set.intersection(*(set(r.contributors) for r in replies.values())))
-        aggregate = torch.cat([replies[j].values for j in range(len(manifest.owners))])
-        return RoundResult(aggregate, contributors, list(manifest.members),
-                           {"manifest_s": 0.0, "reduce_s": time.monotonic() - t0, "leader": manifest.leader,
-                            "epoch": manifest.round, "caught_up": True, "record": {"owners": list(manifest.owners)}})
-
-    def _fill_hole(self, manifest: Manifest, key: GroupKey, round_: int, shard: int, bounds: tuple[int, int],
-                   ask_owner: bool = False, wait_s: float = 1.0, out: Sink | None = None):
-        owner = manifest.owners[shard]
-        askable = [owner] if ask_owner else []
-        askable += [m for m in manifest.members if m not in (self.me, owner)]
-        for member in askable:
-            request = wire_pb2.ShardRequest(run_id=key.run, group=key.group, round=round_, shard=shard, wait_s=wait_s)
-            call_deadline = time.monotonic() + self.sync.manifest_s + wait_s
-            self.traffic.count_sent(request, call_deadline)
-            try:
-                stub = self.channels.stub(manifest.endpoints[member])
-                replies = stub.GetShard(request, timeout=max(0.1, call_deadline - time.monotonic()))
-                return self._read_reply(replies, shard, bounds, len(manifest.members), call_deadline, out=out)
-            except Superseded:
-                raise
-            except (grpc.RpcError, CollectiveError, WireError) as e:
-                logger.info("round %d: %s could not fill shard %d: %s", round_, member, shard, e)
-        return None

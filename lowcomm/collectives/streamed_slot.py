@@ -48,8 +48,9 @@ class StreamedSlot:
 
     def __init__(self, group: str, round_: int, shard: int, members: frozenset[str], bounds: tuple[int, int],
                  codec: str, zstd_level: int, elems: int, deadline: float, owner: str, run: str,
-                 clip: bool = False):
+                 clip: bool = False, manifest: bytes = b""):
         self.group, self.round, self.shard, self.run, self.owner = group, round_, shard, run, owner
+        self.manifest = manifest  # the digest of the manifest the round follows (as Slot's)
         self.members = frozenset(members)
         self.bounds = bounds
         self.codec_name = codec

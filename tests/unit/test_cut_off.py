@@ -2,7 +2,8 @@
 round it would take alone after a round with others, a minority writes no manifest while the majority
 is live, the survivors of a killed majority go on once the dead records expire, a one-peer run still
 runs, a reduce in which nothing reached the peer and nothing came back is no round, nor one that lost
-a shard and counted only the peer's own part (a round whose other parts were refused goes on), a peer
+a shard and counted only the peer's own part (a round whose other parts were refused goes on), the
+parts of two manifests of one round never mix, a peer
 back in the swarm awaits the parts of the round it runs, and a resync that no source serves gives up at
 its deadline.
 
@@ -185,6 +186,31 @@ def test_a_reduce_with_a_lost_shard_in_which_only_the_own_part_counted_is_no_rou
     with pytest.raises(CollectiveError, match="cut off"):
         mine.result(WAIT_S)
     assert theirs.result(WAIT_S).contributors == [x.id]  # a applies x's part: it is not alone
+
+
+def test_the_parts_of_two_manifests_of_one_round_never_mix(nodes):
+    """A split round: a and b follow a's manifest (x announced before its cut, so it is a member), x, back
+    from the cut, wrote its own with b. Both have the same owners, so each part fits the other side's
+    shard; every part names its manifest, so each side refuses the other's, and x's round is no round."""
+    a, b, x = nodes[:3]
+    theirs, mine = Board(KEY.run, {a.id, b.id, x.id}), Board(KEY.run, {b.id, x.id})
+    owners = sorted([b.id, x.id])
+    endpoints = {n.id: n.endpoint for n in (a, b, x)}
+    theirs.manifests[(KEY.group, 3)] = Manifest(KEY.run, KEY.group, 3, 1, a.id, sorted([a.id, b.id, x.id]),
+                                                endpoints, owners, "fp32")
+    mine.manifests[(KEY.group, 3)] = Manifest(KEY.run, KEY.group, 3, 1, x.id, owners,
+                                              {p: endpoints[p] for p in owners}, owners, "fp32")
+    handles = [a.reduce(theirs).start(KEY, 3, payload(0), 1.0), b.reduce(theirs).start(KEY, 3, payload(1), 1.0)]
+    with pytest.raises(CollectiveError, match="cut off"):
+        x.reduce(mine).start(KEY, 3, payload(2), 1.0).result(WAIT_S)
+    results = [h.result(WAIT_S) for h in handles]
+    assert torch.equal(results[0].aggregate, results[1].aggregate)
+    assert all(x.id not in r.contributors and x.id not in sum(r.info["shard_contributors"].values(), [])
+               for r in results)
+    def refused(owner, sender) -> list[str]:
+        return [e["error"] for e in owner.events if e["kind"] == "reject" and e["sender"] == sender.id[:40]]
+    assert ["another manifest" in e for e in refused(b, x) + refused(x, b)] == [True, True]
+    assert refused(x, a) == [f"{a.id!r} is not a member of round 3"]
 
 
 def test_a_peer_whose_every_other_part_was_refused_still_applies_the_round(nodes):

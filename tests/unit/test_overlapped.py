@@ -8,6 +8,8 @@ up from its manifest.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from torch import nn
@@ -169,17 +171,24 @@ def test_a_late_replica_applies_the_members_aggregate():
 
 
 def test_an_entering_replica_fetches_the_round_in_flight():
-    """enter(r) after a download: round r − 1 is fetched from its manifest at the first sync."""
+    """enter(r) after a download: round r − 1's aggregate is fetched from its manifest at once, in the
+    background (the members forget it two rounds later), and lands at the first sync."""
     model = make_model()
     inner = DiLoCo(model, DilocoConfig(outer_lr=1.0, outer_momentum=0.0, nesterov=False),
                    InProcessGroup(1).replica(0), KEY)
-    asked = []
-    inner.fetch_round = lambda round_, manifest: (asked.append((round_, manifest)) or
-                                                  RoundResult(torch.zeros(sum(p.numel() for p in inner.phi)), ["a"]))
+    asked, fetched = [], threading.Event()
+
+    def fetch_round(round_, manifest):
+        asked.append((round_, manifest))
+        fetched.set()
+        return RoundResult(torch.zeros(sum(p.numel() for p in inner.phi)), ["a"])
+
+    inner.fetch_round = fetch_round
     manifests = {4: "manifest-4"}
     replica = Overlapped(inner, manifest_of=manifests.get)
     replica.load_state_tensors(inner.state_tensors())
     assert replica.enter(5, wait_s=1.0)
+    assert fetched.wait(10)  # before any sync
     manifests.clear()  # expired from the DHT by the first sync: it was read at entry
     result = replica.sync(5, 1.0, timeout=5)
     assert asked == [(4, "manifest-4")] and result.info["round"] == 4

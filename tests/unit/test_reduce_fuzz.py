@@ -112,7 +112,7 @@ def test_random_shard_requests_get_a_held_shard_or_not_ready_without_waiting_pas
     node = Node(SIGNERS["owner"])
     try:
         reduce = node.reduce(Board(KEY.run, {OWNER, MEMBER}))
-        reduce.slots.hold(KEY.group, 7, 0, b"held-bytes", [OWNER, MEMBER])
+        reduce.slots.hold(KEY.group, 7, 0, b"held-bytes", [OWNER, MEMBER], b"manifest")
 
         def no_wait(*args):
             raise AssertionError("a request waited after its call ended")
@@ -121,11 +121,13 @@ def test_random_shard_requests_get_a_held_shard_or_not_ready_without_waiting_pas
 
         @settings(max_examples=200, deadline=None)
         @given(group=st.sampled_from([KEY.group]) | st.text(max_size=20), round_=st.integers(0, 2**64 - 1),
-               shard=st.integers(0, 2**32 - 1), wait_s=st.floats(allow_nan=True, allow_infinity=True))
-        def check(group, round_, shard, wait_s):
-            request = wire_pb2.ShardRequest(run_id=KEY.run, group=group, round=round_, shard=shard, wait_s=wait_s)
+               shard=st.integers(0, 2**32 - 1), wait_s=st.floats(allow_nan=True, allow_infinity=True),
+               manifest=st.just(b"manifest") | st.binary(max_size=40))
+        def check(group, round_, shard, wait_s, manifest):
+            request = wire_pb2.ShardRequest(run_id=KEY.run, group=group, round=round_, shard=shard, wait_s=wait_s,
+                                            manifest=manifest)
             replies = list(reduce._serve_shard(request, EndedContext()))  # a cancelled call waits for nothing
-            if (group, round_, shard) == (KEY.group, 7, 0):
+            if (group, round_, shard, manifest) == (KEY.group, 7, 0, b"manifest"):
                 assert replies[0].status == wire_pb2.ReduceReply.OK and replies[0].data == b"held-bytes"
             else:
                 assert [r.status for r in replies] == [wire_pb2.ReduceReply.NOT_READY]

@@ -16,7 +16,7 @@ import torch
 
 from lowcomm.algorithms import sparseloco
 from lowcomm.algorithms.sparseloco import SparseLoCoConfig, SparseLoCoState, compress_all
-from lowcomm.collectives.base import GroupKey, NotInRound
+from lowcomm.collectives.base import CollectiveError, GroupKey, NotInRound
 from lowcomm.collectives.combiners import SparseBundle
 from lowcomm.collectives.config import SyncConfig
 from lowcomm.collectives.local import LocalGroup
@@ -212,6 +212,21 @@ def test_a_late_peer_catches_up_on_the_bytes_the_members_applied(nodes):
     assert caught.info["caught_up"] and caught.contributors == results[0].contributors
     assert caught.info["record"]["owners"] == results[0].info["record"]["owners"]
     assert torch.equal(caught.aggregate, results[0].aggregate)
+
+
+def test_catching_up_a_round_every_member_forgot_fails_at_once(nodes):
+    """The members keep a round's shards while they run the next two (reduce_owner.KEEP_ROUNDS); a peer
+    that asks later hears EXPIRED from each of them and gives up without waiting for its deadline."""
+    members, late = nodes[:3], nodes[3]
+    board = Board(KEY.run, {n.id for n in members})
+    reduces = [n.reduce(board) for n in members]
+    for round_ in range(4):
+        last = [h.result(WAIT_S) for h in [r.start(KEY, round_, payload(i), 1.0) for i, r in enumerate(reduces)]]
+    latecomer = late.reduce(board)
+    with pytest.raises(CollectiveError, match="every member forgot the round"):
+        latecomer.catch_up(KEY, 0, NUMEL, board.manifests[(KEY.group, 0)])
+    caught = latecomer.catch_up(KEY, 3, NUMEL, board.manifests[(KEY.group, 3)])  # the newest round is held
+    assert torch.equal(caught.aggregate, last[0].aggregate)
 
 
 SHAPES = [(96, 100), (70,), (64, 128), (3, 4, 5)]

@@ -49,12 +49,17 @@ def owned_by(owner: Node, members: list[Node], round_: int) -> Board:
     return board
 
 
+def the_manifest(owner: Node, member: Node, round_: int) -> bytes:
+    """The digest of the manifest ``owned_by(owner, [owner, member], round_)`` holds."""
+    return owned_by(owner, [owner, member], round_).manifests[(KEY.group, round_)].digest
+
+
 def by_hand(member: Node, owner: Node, round_: int, payload: torch.Tensor, weight: float, elems: int,
             between=None, tamper=None, shard: int = 0, norm: float = 0.0):
     """``member``'s streamed part to ``owner``, sent by hand: ``between(c)`` runs before piece c is sent,
     ``tamper(c, message)`` may change a piece (or end the part: "end"). Returns the owner's reply stream."""
     header = dict(run_id=KEY.run, group=KEY.group, round=round_, epoch=round_, shard=shard, weight=weight,
-                  codec="fp32")
+                  codec="fp32", manifest=the_manifest(owner, member, round_))
     codec = get_codec("fp32", zstd_level=1)
     messages = part_pieces(member.signer, header, lambda a, b: codec.encode(payload[a:b]), payload.numel(), elems,
                            norm)
@@ -111,7 +116,7 @@ def test_every_member_of_a_streamed_round_applies_the_same_bytes(pair):
         assert result.contributors == sorted(n.id for n in pair) and result.info["lost_shards"] == []
         assert torch.equal(result.aggregate, results[0].aggregate)
     torch.testing.assert_close(results[0].aggregate, weighted_mean(payloads, weights), rtol=1e-6, atol=1e-6)
-    held = reduces[0].slots.held(KEY.group, 0, 1, timeout=0)
+    held = reduces[0].slots.held(KEY.group, 0, 1, timeout=0, manifest=reduces[0]._manifests[KEY.group].digest)
     assert isinstance(held[0], Pieces) and len(held[0]) > 1  # what it serves to a member that lost it
 
 
@@ -141,7 +146,8 @@ def test_a_hostile_piece_is_refused_and_the_round_goes_on_without_its_part(pair,
         return None
 
     head = []
-    header = dict(run_id=KEY.run, group=KEY.group, round=0, epoch=0, shard=0, weight=1.0, codec="fp32")
+    header = dict(run_id=KEY.run, group=KEY.group, round=0, epoch=0, shard=0, weight=1.0, codec="fp32",
+                  manifest=the_manifest(owner, member, 0))
     head.append(header_digest({**header, "sender": member.id, "total_bytes": 0, "digest": b"",
                                "pieces": len(piece_bounds(NUMEL, reduce.elems)), "piece_elems": reduce.elems, "norm": 0.0}))
     replies = list(by_hand(member, owner, 0, values(1), 1.0, reduce.elems, tamper=tamper))
