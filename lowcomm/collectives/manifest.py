@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.05  # how often a wait reads the DHT without wakes (transport.wakeups: with them, when woken)
 QUORUM_POLL_S = 0.5  # how often a writer short of a quorum looks again (announcers and live records)
 KNOWN_MANIFESTS = 8  # per group: the manifests remembered for the writer check
+SILENT_LOOKBACK = 8  # rounds of posted announcements that show a peer that missed a round is still there
 
 
 class ManifestAgreement:
@@ -71,6 +72,8 @@ class ManifestAgreement:
         self.me = control.identity.peer_id
         self._known: dict[str, list[tuple[int, frozenset[str]]]] = {}  # group -> (first round, members), by round
         self._refused: set[tuple[str, int, str, str]] = set()  # (group, round, peer, reason) already counted
+        self._missed: dict[str, dict[str, tuple[int, str, int]]] = {}  # group -> peer -> (round missed, its record's
+        # state and round then): not waited for while it stays silent (_silent)
         self.refused_writers = 0
         self.reads = RoundReads(control, self.wakes)  # the round's records: posted, and the DHT's
 
@@ -277,8 +280,14 @@ class ManifestAgreement:
         A peer that only announced ahead (still training towards the round) is waited for up to
         `announce_s` like one that has not announced, but then stays a member, without a shard.
         A manifest already written ends the wait: the round's membership is settled.
+        A live record that did not announce the last round it was due in is not waited for again while
+        its peer stays silent: its record unchanged (state and round) and no announcement of a round
+        since posted here. A dead peer's record until it expires, a forged one (a sybil's) that is only
+        refreshed and a cut-off peer's from before the cut cost one wait, not one per round; a slow
+        peer's late announcement, or its record's next round, makes it due again.
         """
         deadline = time.monotonic() + self.sync.announce_s
+        missed = self._missed.get(group, {})
         while True:
             late = time.monotonic() >= deadline  # the round may go on without a peer: the DHT's records too
             announcers = {p: info for p, info in self.reads.announcers(group, round_, fresh=late).items()
@@ -287,15 +296,28 @@ class ManifestAgreement:
             due = {p for p, rec in records.items()
                    if rec.state in ("training", "joining") and rec.round <= round_ and p not in suspects
                    and self.due_in_group(group, rec) and self.admits(p)}
+            silent = {p for p in due & missed.keys() if self._silent(group, round_, missed[p], records[p])}
+            due -= silent
             present = {p for p, info in announcers.items() if not info.get("ahead")} | {self.me}
             announced = due <= set(announcers) | {self.me}
             if due <= present or late or (announced and self._settled(group, round_)):
                 missing = due - set(announcers) - {self.me}
                 if missing:  # a live record that never announced (dead, or late): the round goes on without it
                     self.on_event("timeout", round=round_, stage="announce", missing=sorted(missing))
+                self._missed[group] = {**{p: missed[p] for p in silent - set(announcers)},
+                                       **{p: (round_, records[p].state, records[p].round) for p in missing}}
                 announcers[self.me] = self._presence
                 return announcers, due <= present
             self.wakes.wait(group, round_, deadline - time.monotonic())
+
+    def _silent(self, group: str, round_: int, missed: tuple[int, str, int], record: PeerRecord) -> bool:
+        """Whether a peer that did not announce round ``missed[0]`` (its record then: ``missed[1:]``)
+        stayed silent since: its record is unchanged and it posted no announcement of a round since."""
+        since, state, at = missed
+        if (record.state, record.round) != (state, at):
+            return False
+        return not any(record.peer_id in self.wakes.posted(ANNOUNCE, group, r)
+                       for r in range(max(since, round_ - SILENT_LOOKBACK), round_ + 1))
 
     def _settled(self, group: str, round_: int) -> bool:
         """Whether a manifest that counts exists for the round (a stranger's does not end the wait)."""

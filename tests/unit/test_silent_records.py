@@ -1,0 +1,54 @@
+"""A live record that never announces (a dead peer's until it expires, a sybil's forged `training`
+record, a cut-off peer's from before the cut) costs the rounds one wait of `announce_s`, not one per
+round; its peer is waited for again once its record changes or it posts an announcement
+(ManifestAgreement._silent). Over test_who_counts' in-memory control plane; assertions are on the
+`timeout` events that name who a round waited for, never on durations."""
+
+from __future__ import annotations
+
+from lowcomm.collectives.config import SyncConfig
+from lowcomm.collectives.manifest import ManifestAgreement
+from lowcomm.transport.control import PeerRecord
+from lowcomm.transport.round_posts import ANNOUNCE
+from lowcomm.transport.wakeups import Wakes
+from unit.test_who_counts import MemoryControl
+
+GROUP = "0-0"
+SYNC = SyncConfig(announce_s=0.2, manifest_s=0.2)
+
+
+def waited_for(events: list, round_: int) -> list[str]:
+    """The peers round ``round_`` waited `announce_s` for and went on without."""
+    return [p for kind, f in events if kind == "timeout" and f.get("stage") == "announce" and f["round"] == round_
+            for p in f["missing"]]
+
+
+def lone_peer(live: dict) -> tuple[ManifestAgreement, list]:
+    """Peer "a"'s agreement; it reads the live records at every look (no poll interval: none is cached)."""
+    events = []
+    agreement = ManifestAgreement(MemoryControl("a", {}, live), SYNC, "a:1", wakes=Wakes.polling(0.0),
+                                  on_event=lambda kind, **f: events.append((kind, f)))
+    return agreement, events
+
+
+def test_a_record_that_never_announces_costs_one_wait_until_it_changes():
+    live = {"a": PeerRecord("a", "a:1", state="training", round=5),
+            "s": PeerRecord("s", "s:1", state="training", round=5)}  # refreshed, never announcing
+    agreement, events = lone_peer(live)
+    for round_ in (5, 6, 7):
+        assert agreement.agree(GROUP, round_, 1, "fp32").members == ["a"]
+    assert [waited_for(events, r) for r in (5, 6, 7)] == [["s"], [], []]
+    live["s"] = PeerRecord("s", "s:1", state="training", round=8)  # it moved on: due again
+    agreement.agree(GROUP, 8, 1, "fp32")
+    assert waited_for(events, 8) == ["s"]
+
+
+def test_a_peer_that_missed_a_round_and_announced_it_late_is_waited_for_again():
+    live = {"a": PeerRecord("a", "a:1", state="training", round=5),
+            "b": PeerRecord("b", "b:1", state="training", round=5)}  # its record lags behind it
+    agreement, events = lone_peer(live)
+    agreement.agree(GROUP, 5, 1, "fp32")
+    posted = {(ANNOUNCE, GROUP, 5): {"b": {"endpoint": "b:1"}}}  # b's late announcement of round 5
+    agreement.wakes.posted = lambda kind, group, round_: posted.get((kind, group, round_), {})
+    agreement.agree(GROUP, 6, 1, "fp32")
+    assert [waited_for(events, r) for r in (5, 6)] == [["b"], ["b"]]
