@@ -1,9 +1,9 @@
 """The sharded reduce's messages: a member's signed part as chunks, an owner's reply as chunks.
 
 A part's first chunk carries the header (run, group, round, epoch, sender, shard, weight, codec,
-size, sha256 of the blob, pieces, piece size and norm: 0 here, and the manifest's digest) with the sender's key and its signature
-over that header (transport.signing); later chunks carry only bytes. A streamed part's messages
-are in collectives.pieces. A reply's first chunk carries the status, the
+size, sha256 of the blob, pieces, piece size and norm: 0 here, and the manifest's digest) with the
+sender's key and its signature over that header (transport.signing); later chunks carry only bytes.
+A streamed part's messages are in collectives.pieces. A reply's first chunk carries the status, the
 contributor list and the size; later chunks only bytes.
 """
 

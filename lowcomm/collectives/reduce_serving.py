@@ -1,11 +1,11 @@
 """The sharded reduce as a server: an owner takes members' parts of its shard and replies the aggregate.
 
 A part's header is checked (its signature, then the caller's places, the round's slot, membership,
-weight, the manifest it follows, shard and codec) before anything else is read. A one-blob part (collectives.reduce_messages)
-is assembled, checked against its digest, decoded and added; its reply goes out once the slot
-closes. A streamed part (collectives.pieces) is read by a thread of its own, each piece checked
-and added as it arrives, while the call's own thread sends each reduced piece back as soon as the
-slot has it (collectives.streamed_slot). A refused part is a `reject` event and a REJECTED reply,
+weight, the manifest it follows, shard and codec) before anything else is read. A one-blob part
+(collectives.reduce_messages) is assembled, checked against its digest, decoded and added; its
+reply goes out once the slot closes. A streamed part (collectives.pieces) is read by a thread of
+its own, each piece checked and added as it arrives, while the call's own thread sends each
+reduced piece back as soon as the slot has it (collectives.streamed_slot). A refused part is a `reject` event and a REJECTED reply,
 and the round goes on without it; nothing a remote part does raises into the owner's own round.
 A held shard is served only to a caller that names the manifest it was reduced under; a forgotten
 round is said so at once (EXPIRED), so a late member stops asking.

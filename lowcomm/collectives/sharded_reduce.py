@@ -15,17 +15,17 @@ in which a member failed to contribute ends the epoch, and the exclusion travels
 contributor lists, so every member sees the same failure and re-forms the group.
 
 Every part is signed by its sender's key over (run, group, round, epoch, sender, shard, weight,
-codec, size, payload digest, pieces, the manifest's digest) (transport.signing); an owner checks the signature on the first
-chunk, before it admits the call or waits for the round, and the digest (of the blob, or of each
-piece, which is signed on its own) before it decodes it. The owner's side is in
-collectives.reduce_serving.
-An owner refuses (a `reject` event, a REJECTED reply) every part it cannot trust: an unsigned,
-forged or relabelled one, one for another run or claiming the owner's own id, a non-finite one, a
-weight above `max_weight` (what one round can produce), a round too far ahead; a member's refused
-part closes the slot without it, and the owner's own non-finite part leaves it out of its shard.
-Nothing a remote part does raises into the owner's own round. At most `PER_SENDER_CALLS` Reduce
-calls per sender are served at once, and `STRANGER_CALLS` from all senders no recent manifest names
-(fresh keys cannot take the members' places); beyond that, RESOURCE_EXHAUSTED (`Overloaded`).
+codec, size, payload digest, pieces, the manifest's digest) (transport.signing); an owner checks
+the signature on the first chunk, before it admits the call or waits for the round, and the digest
+(of the blob, or of each piece, which is signed on its own) before it decodes it. The owner's side
+is in collectives.reduce_serving. An owner refuses (a `reject` event, a REJECTED reply) every part
+it cannot trust: an unsigned, forged or relabelled one, one for another run or manifest or claiming
+the owner's own id, a non-finite one, a weight above `max_weight` (what one round can produce), a
+round too far ahead; a member's refused part closes the slot without it, and the owner's own
+non-finite part leaves it out of its shard. Nothing a remote part does raises into the owner's own
+round. At most `PER_SENDER_CALLS` Reduce calls per sender are served at once, and `STRANGER_CALLS`
+from all senders no recent manifest names (fresh keys cannot take the members' places); beyond that,
+RESOURCE_EXHAUSTED (`Overloaded`).
 """
 
 from __future__ import annotations
