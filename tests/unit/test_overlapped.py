@@ -16,7 +16,7 @@ from torch import nn
 
 from lowcomm.algorithms.diloco import DiLoCo, DilocoConfig
 from lowcomm.algorithms.overlapped import Overlapped
-from lowcomm.collectives.base import GroupKey, InProcessGroup, NotInRound, RoundResult
+from lowcomm.collectives.base import CollectiveError, GroupKey, InProcessGroup, NotInRound, RoundResult
 
 KEY = GroupKey("overlapped-test")
 REPLICAS, ROUNDS, H, LR = 3, 5, 4, 0.05
@@ -193,6 +193,23 @@ def test_an_entering_replica_fetches_the_round_in_flight():
     result = replica.sync(5, 1.0, timeout=5)
     assert asked == [(4, "manifest-4")] and result.info["round"] == 4
     assert replica.pending[0] == 5
+
+
+def test_a_failed_fetch_of_the_round_in_flight_fails_the_first_sync():
+    """The background fetch's error (every member forgot the round) is raised where the round lands:
+    the first sync, which the schedule turns into RoundFailed (a resync)."""
+    inner = DiLoCo(make_model(), DilocoConfig(), InProcessGroup(1).replica(0), KEY)
+
+    def fetch_round(round_, manifest):
+        raise CollectiveError(f"round {round_}: catching up, no member returned shards [0]")
+
+    inner.fetch_round = fetch_round
+    replica = Overlapped(inner, manifest_of={4: "manifest-4"}.get)
+    replica.load_state_tensors(inner.state_tensors())
+    assert replica.enter(5, wait_s=1.0)
+    with pytest.raises(CollectiveError, match="round 4: catching up"):
+        replica.sync(5, 1.0, timeout=5)
+    assert replica.pending[0] == 5  # the round begun is the one in flight
 
 
 def test_entering_without_the_rounds_manifest_drops_it():
