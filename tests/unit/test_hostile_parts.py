@@ -36,12 +36,12 @@ def rejects(node) -> list[dict]:
 
 
 def part(signer: Signer, round_: int, shard: int = 0, weight: float = 1.0, blob: bytes = b"", codec: str = "fp32",
-         first_bytes: int | None = None, sender: str | None = None, manifest: bytes = b""):
+         first_bytes: int | None = None, sender: str | None = None):
     """The first chunk of a part of ``blob`` signed by ``signer`` (a member lying about its own part, or,
     with ``sender``, claiming another id), carrying ``first_bytes`` of the blob (all by default)."""
     header = dict(run_id=KEY.run, group=KEY.group, round=round_, epoch=round_, sender=sender or signer.peer_id,
                   shard=shard, weight=weight, codec=codec, total_bytes=len(blob), digest=digest(blob), pieces=0,
-                  piece_elems=0, norm=0.0, manifest=manifest)
+                  piece_elems=0, norm=0.0, manifest=b"")  # open_slot's slots follow no manifest
     key, signature = signer.sign(KIND, header)
     return wire_pb2.ReduceChunk(**header, data=blob[:first_bytes], sender_key=key, signature=signature)
 
