@@ -10,7 +10,9 @@ fails at once instead of at its deadline.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -25,6 +27,9 @@ from lowcomm.transport.wire import WireError, assemble
 
 logger = logging.getLogger(__name__)
 OK = wire_pb2.ReduceReply.OK
+ASK_WAIT_S = 5.0  # how long one ask of a catch-up waits for a member to hold the shard
+RETRY_S = 0.2  # the pause after a round of asks that all failed without waiting
+CATCH_UP_STREAMS = 8  # shards a catch-up fetches at once
 
 
 class ShardExpired(CollectiveError):
@@ -83,24 +88,32 @@ class ShardFetching:
         """The result of a round this peer was left out of, fetched from the members that hold it. Every
         member keeps the round's encoded reduced shards (the bytes it applied), so a peer that announced
         too late applies exactly those: it loses its own part but stays on the shared φ for one round's
-        download instead of the state's."""
+        download instead of the state's.
+
+        The shards are fetched side by side, each asking its owner then the other members until the
+        deadline: a round still reducing (a joiner fetching the round in flight) is waited for on every
+        shard at once, not shard after shard."""
         t0 = time.monotonic()
         self.slots.reach(key.group, round_)
         deadline = t0 + self.sync.reduce_timeout_s + 2 * self.sync.manifest_s
         bounds = self.combiner.shard_bounds(len(manifest.owners), numel)
-        replies: dict[int, ShardReply] = {}
-        forgot: set[str] = set()  # the members that no longer hold the round
-        others = set(manifest.members) - {self.me}
-        while len(replies) < len(manifest.owners) and time.monotonic() < deadline and not forgot >= others:
-            for j in range(len(manifest.owners)):
-                if j not in replies:
-                    reply = self._fill_hole(manifest, key, round_, j, bounds[j], ask_owner=True,
-                                            wait_s=min(5.0, max(0.0, deadline - time.monotonic())), expired=forgot)
-                    if reply is not None:
-                        replies[j] = reply
+        fetch = _CatchUp(set(manifest.members) - {self.me}, deadline)
+
+        def shard(j: int) -> ShardReply | None:
+            while not fetch.over():
+                reply = self._fill_hole(manifest, key, round_, j, bounds[j], ask_owner=True,
+                                        wait_s=min(ASK_WAIT_S, fetch.remaining()), expired=fetch, why=fetch.why(j))
+                if reply is not None:
+                    return reply
+                fetch.pause()
+            return None
+
+        workers = max(1, min(len(manifest.owners), CATCH_UP_STREAMS))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"catch-up-{round_}") as pool:
+            replies = {j: r for j, r in enumerate(pool.map(shard, range(len(manifest.owners)))) if r is not None}
         missing = sorted(set(range(len(manifest.owners))) - set(replies))
         if missing:
-            gone = ": every member forgot the round" if forgot >= others else ""
+            gone = ": every member forgot the round" if fetch.all_forgot() else fetch.reason(missing[0])
             raise CollectiveError(f"round {round_}: catching up, no member returned shards {missing}{gone}")
         for j, reply in replies.items():
             self.slots.hold(key.group, round_, j, reply.blob, reply.contributors, manifest.digest)
@@ -112,9 +125,10 @@ class ShardFetching:
 
     def _fill_hole(self, manifest: Manifest, key: GroupKey, round_: int, shard: int, bounds: tuple[int, int],
                    ask_owner: bool = False, wait_s: float = 1.0, out: Sink | None = None,
-                   expired: set[str] | None = None):
+                   expired: "_CatchUp | None" = None, why: dict[str, str] | None = None):
         """Shard ``shard`` from its owner (``ask_owner``) or another member that holds it, else None;
-        ``expired`` collects the members that said the round is forgotten there."""
+        ``expired`` collects the members that said the round is forgotten there, ``why`` each member's
+        last refusal."""
         owner = manifest.owners[shard]
         askable = [owner] if ask_owner else []
         askable += [m for m in manifest.members if m not in (self.me, owner)]
@@ -132,7 +146,55 @@ class ShardFetching:
             except ShardExpired as e:
                 logger.info("round %d: %s no longer holds shard %d: %s", round_, member, shard, e)
                 if expired is not None:
-                    expired.add(member)
+                    expired.forgot(member)
             except (grpc.RpcError, CollectiveError, WireError) as e:
                 logger.info("round %d: %s could not fill shard %d: %s", round_, member, shard, e)
+                if why is not None:
+                    why[member] = _short(e)
         return None
+
+
+def _short(error: Exception) -> str:
+    if isinstance(error, grpc.RpcError) and hasattr(error, "code"):
+        return f"{error.code().name}: {(error.details() or '')[:120]}"
+    return str(error)[:160]
+
+
+class _CatchUp:
+    """A catch-up's shared state across its shard fetches: the deadline, the members that forgot the
+    round (every one of them: give up at once) and why each shard's last asks failed."""
+
+    def __init__(self, others: set[str], deadline: float):
+        self.others, self.deadline = others, deadline
+        self._lock = threading.Lock()
+        self._forgot: set[str] = set()
+        self._why: dict[int, dict[str, str]] = {}
+        self._stop = threading.Event()
+
+    def forgot(self, member: str) -> None:
+        with self._lock:
+            self._forgot.add(member)
+            if self._forgot >= self.others:
+                self._stop.set()
+
+    def all_forgot(self) -> bool:
+        with self._lock:
+            return self._forgot >= self.others
+
+    def remaining(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+    def over(self) -> bool:
+        return self._stop.is_set() or self.remaining() <= 0
+
+    def pause(self) -> None:
+        """Between two rounds of asks that all failed at once (refusals, not waits)."""
+        self._stop.wait(min(RETRY_S, self.remaining()))
+
+    def why(self, shard: int) -> dict[str, str]:
+        with self._lock:
+            return self._why.setdefault(shard, {})
+
+    def reason(self, shard: int) -> str:
+        why = self.why(shard)
+        return (" (shard %d: %s)" % (shard, "; ".join(f"{m[:12]}: {e}" for m, e in sorted(why.items())))) if why else ""

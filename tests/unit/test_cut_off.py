@@ -200,9 +200,10 @@ def test_the_parts_of_two_manifests_of_one_round_never_mix(nodes):
                                                 endpoints, owners, "fp32")
     mine.manifests[(KEY.group, 3)] = Manifest(KEY.run, KEY.group, 3, 1, x.id, owners,
                                               {p: endpoints[p] for p in owners}, owners, "fp32")
-    handles = [a.reduce(theirs).start(KEY, 3, payload(0), 1.0), b.reduce(theirs).start(KEY, 3, payload(1), 1.0)]
+    reduces = [a.reduce(theirs), b.reduce(theirs), x.reduce(mine)]  # every node serves before any part is sent
+    handles = [r.start(KEY, 3, payload(i), 1.0) for i, r in enumerate(reduces)]
     with pytest.raises(CollectiveError, match="cut off"):
-        x.reduce(mine).start(KEY, 3, payload(2), 1.0).result(WAIT_S)
+        handles.pop().result(WAIT_S)
     results = [h.result(WAIT_S) for h in handles]
     assert torch.equal(results[0].aggregate, results[1].aggregate)
     assert all(x.id not in r.contributors and x.id not in sum(r.info["shard_contributors"].values(), [])

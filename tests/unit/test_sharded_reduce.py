@@ -16,6 +16,7 @@ import torch
 
 from lowcomm.algorithms import sparseloco
 from lowcomm.algorithms.sparseloco import SparseLoCoConfig, SparseLoCoState, compress_all
+from lowcomm.collectives import shard_fetch
 from lowcomm.collectives.base import CollectiveError, GroupKey, NotInRound
 from lowcomm.collectives.combiners import SparseBundle
 from lowcomm.collectives.config import SyncConfig
@@ -227,6 +228,42 @@ def test_catching_up_a_round_every_member_forgot_fails_at_once(nodes):
         latecomer.catch_up(KEY, 0, NUMEL, board.manifests[(KEY.group, 0)])
     caught = latecomer.catch_up(KEY, 3, NUMEL, board.manifests[(KEY.group, 3)])  # the newest round is held
     assert torch.equal(caught.aggregate, last[0].aggregate)
+
+
+def test_a_catch_up_begun_while_the_round_reduces_returns_what_the_members_applied(nodes, monkeypatch):
+    """A joiner fetches the round in flight: its asks reach the members before they hold any shard.
+    Each ask waits less than the reduce takes, so the shards are asked for again until they are held."""
+    monkeypatch.setattr(shard_fetch, "ASK_WAIT_S", 0.05)
+    members, late = nodes[:3], nodes[3]
+    board = Board(KEY.run, {n.id for n in members})
+    ids = [n.id for n in members]
+    manifest = Manifest(KEY.run, KEY.group, 2, 1, ids[0], ids, {n.id: n.endpoint for n in members}, ids, "fp32")
+    board.manifests[(KEY.group, 2)] = manifest
+    reduces = [n.reduce(board) for n in members]
+    latecomer = late.reduce(board)
+    caught: list = []
+    fetching = threading.Thread(target=lambda: caught.append(latecomer.catch_up(KEY, 2, NUMEL, manifest)))
+    fetching.start()
+    handles = [r.start(KEY, 2, payload(i), 1.0) for i, r in enumerate(reduces)]
+    results = [h.result(WAIT_S) for h in handles]
+    fetching.join(WAIT_S)
+    assert not fetching.is_alive() and len(caught) == 1
+    assert caught[0].contributors == results[0].contributors == sorted(ids)
+    assert torch.equal(caught[0].aggregate, results[0].aggregate)
+
+
+def test_a_failed_catch_up_says_why_the_members_refused(nodes):
+    """A catch-up that follows another manifest of the round than the members (a split) gets no shard,
+    and its error names the refusal instead of only the shards it lacks."""
+    members, late = nodes[:3], nodes[3]
+    board = Board(KEY.run, {n.id for n in members})
+    reduces = [n.reduce(board) for n in members]
+    [h.result(WAIT_S) for h in [r.start(KEY, 2, payload(i), 1.0) for i, r in enumerate(reduces)]]
+    theirs = board.manifests[(KEY.group, 2)]
+    other = Manifest(KEY.run, KEY.group, 2, 1, theirs.members[1], theirs.members, theirs.endpoints, theirs.owners,
+                     theirs.codec)
+    with pytest.raises(CollectiveError, match="no member returned shards .0, 1, 2.*under another manifest"):
+        late.reduce(board).catch_up(KEY, 2, NUMEL, other)
 
 
 SHAPES = [(96, 100), (70,), (64, 128), (3, 4, 5)]
