@@ -13,6 +13,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from children import default_sigint, wait_until
@@ -291,17 +292,33 @@ def delta(after: dict, before: dict) -> dict:
     return {key: after[key] - before[key] for key in after}
 
 
+def settled(*nodes, within_s: float = 10.0) -> list[dict]:
+    """The nodes' counters once no frame moved between two reads 50 ms apart: the last frames of a
+    connection (its ACKs and FINs) still cross the bridge after the client returns, and a busy host
+    reads one node's counters well after the other's."""
+    deadline = time.monotonic() + within_s
+    last = [n.counters() for n in nodes]
+    while time.monotonic() < deadline:
+        time.sleep(0.05)  # a sampling interval, not a wait for an event: nothing signals "no more frames"
+        now = [n.counters() for n in nodes]
+        if now == last:
+            return now
+        last = now
+    raise AssertionError(f"the counters kept moving for {within_s} s: {last}")
+
+
 @needs_netns
 @pytest.mark.timeout(120)
 def test_upload_cap_holds_and_counters_account_for_the_bytes(lab, processes):
     a, b = lab.add_node("a", rate=8 * MBIT), lab.add_node("b")
     _, port = processes.server(b)
-    sent_before, received_before = a.counters(), b.counters()
+    sent_before, received_before = settled(a, b)
     nbytes = 2_000_000
     result = processes.push(a, b.address, port, nbytes)
     assert result["echo"] == nbytes
     assert result["elapsed"] >= nbytes * 8 / (8 * MBIT) * 0.9
-    sent, received = delta(a.counters(), sent_before), delta(b.counters(), received_before)
+    sent_after, received_after = settled(a, b)
+    sent, received = delta(sent_after, sent_before), delta(received_after, received_before)
     assert nbytes <= sent["tx"] <= nbytes * HEADROOM + SLACK
     assert nbytes <= received["rx"] <= nbytes * HEADROOM + SLACK
     assert abs(received["rx"] - sent["tx"]) <= 2_000  # what a sent over the bridge is what b got
