@@ -27,6 +27,7 @@ from lowcomm.algorithms.diloco import DilocoConfig
 from lowcomm.algorithms.inner import InnerConfig
 from lowcomm.algorithms.noloco import NoLoCoConfig
 from lowcomm.algorithms.overlap import UPDATES as OVERLAP_UPDATES
+from lowcomm.algorithms.overlapped import APPLY as OVERLAP_APPLY
 from lowcomm.algorithms.sparseloco import SparseLoCoConfig
 from lowcomm.algorithms.streaming import CODECS as STREAMING_CODECS
 from lowcomm.algorithms.streaming import StreamingConfig, check_one_in_flight, rounds_started_by, step_after_rounds
@@ -242,6 +243,8 @@ class RunConfig:
                 ("diloco.codec", self.diloco.codec, DILOCO_CODECS),
                 ("diloco.aggregate", self.diloco.aggregate, AGGREGATES),
                 ("diloco.overlap_update", self.diloco.overlap_update, OVERLAP_UPDATES),
+                ("diloco.overlap_apply", self.diloco.overlap_apply, OVERLAP_APPLY),
+                ("sparseloco.overlap_apply", self.sparseloco.overlap_apply, OVERLAP_APPLY),
                 ("streaming.codec", self.streaming.codec, STREAMING_CODECS),
                 ("sparseloco.values", self.sparseloco.values, VALUE_CODECS),
                 ("noloco.codec", self.noloco.codec, NOLOCO_CODECS),

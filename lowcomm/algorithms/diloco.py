@@ -35,6 +35,7 @@ class DilocoConfig:
     codec: str = "uint8"  # one of CODECS
     overlap: bool = False  # one-step-delay overlap (ALGORITHMS.md §1)
     overlap_update: str = "momentum"  # the overlap's next start: one of algorithms.overlap.UPDATES
+    overlap_apply: str = "arrival"  # when the overlap applies an aggregate: one of algorithms.overlapped.APPLY
     aggregate: str = "median-clip"  # how a shard owner combines the Δ parts: one of collectives.robust.AGGREGATES
     trim_fraction: float = 0.25  # trimmed-mean: share of values left out at each end of a coordinate, in [0, 0.5)
     clip_tau: float = 1.0  # centered-clip: τ as a multiple of the parts' median distance from the clipped mean

@@ -24,6 +24,15 @@ while they run the next two rounds. (A state resumed from a checkpoint has no su
 dropped, and said so.) Any other failure of a pending round propagates as ``RoundFailed`` (the peer
 resyncs and ``enter``s again).
 
+Applied on arrival (``apply = "arrival"``, the default; Decision 33 in docs/round-protocol.md): after
+every inner step the replica looks whether the pending round's aggregate has arrived. When it has,
+φ takes its outer step at once and θ moves by φ_t − s_{t+1} (the start the rule estimated, replaced
+by the one plain DiLoCo would have used), so the round's remaining inner steps run on from where
+plain DiLoCo's would; the round is still logged, voted on and snapshotted at the boundary, so the
+φ a boundary shows, and every label, are those of ``apply = "boundary"`` (ALGORITHMS.md §1 as
+written, where the aggregate waits for the boundary). A round left out or failed waits for the
+boundary as before.
+
 The schedule (``after_inner_step``): every H steps ``sync(t)``; at the run's last step the final
 round lands at once (θ ← φ for the final evaluation), and ``finish`` lands it for a run whose
 steps are not a multiple of H. A landed round's bytes are everything sent since the previous
@@ -75,19 +84,41 @@ class _FetchRound:
         result.info["caught_up"] = True
         return result
 
+    def done(self) -> bool:
+        return self._done.done()
+
+
+class _Applied:
+    """A pending round whose aggregate was applied as it arrived, during the next round's inner steps:
+    at the boundary it lands with nothing left to wait for or apply."""
+
+    def __init__(self, landed: RoundResult):
+        self.landed = landed
+
+    def done(self) -> bool:
+        return True
+
+
+APPLY = ("arrival", "boundary")  # when the overlap applies a round's aggregate (`diloco.overlap_apply`)
+
 
 class Overlapped(Replica):
     announces_ahead = True
 
-    def __init__(self, inner: OuterReplica, manifest_of: Callable[[int], object], update: str = "delayed"):
+    def __init__(self, inner: OuterReplica, manifest_of: Callable[[int], object], update: str = "delayed",
+                 apply: str = "boundary"):
         """``manifest_of(round)``: the round's manifest, or None while there is none (the DHT);
-        ``update``: the rule for the next round's start, one of algorithms.overlap.UPDATES."""
+        ``update``: the rule for the next round's start, one of algorithms.overlap.UPDATES; ``apply``:
+        when an arrived aggregate is applied, one of APPLY."""
+        if apply not in APPLY:
+            raise ValueError(f"overlap apply {apply!r}: one of {', '.join(APPLY)}")
         super().__init__(inner.model, inner.collective, inner.key, inner.tokens_per_step, inner.hooks)
         self.inner = inner
         self.manifest_of = manifest_of
         self.start = self._theta()  # s_1 = φ_0
         self.delay = OneStepDelay()  # the recurrence's bookkeeping: (round, handle) of the reduce in flight
         self.start_from = start_rule(update, inner.preview_outer)
+        self.on_arrival = apply == "arrival"
         self._landed_mark: int | None = None  # the meter when a round last landed
 
     @property
@@ -106,6 +137,8 @@ class Overlapped(Replica):
 
     def after_inner_step(self, step: int) -> bool:
         if step % self.inner.sync_every != 0:
+            if self.on_arrival:
+                self.apply_arrived()
             return True
         round_ = self.round
         if not self.hooks.gate(round_):
@@ -185,6 +218,26 @@ class Overlapped(Replica):
 
     # ---- the recurrence ----------------------------------------------------------------------
 
+    @torch.no_grad()
+    def apply_arrived(self) -> bool:
+        """The pending round's aggregate, if it has arrived: φ_t = OuterOpt(φ_{t−1}, Δ̄_t) now, and θ moves
+        by φ_t − s_{t+1}, the start this round's steps took replaced by plain DiLoCo's. True if applied."""
+        if self.pending is None or isinstance(self.pending[1], _Applied) or not self.pending[1].done():
+            return False
+        round_, handle = self.pending
+        try:
+            result = handle.result(0)
+        except Exception:  # left out or failed: the boundary deals with it as before (a catch-up, RoundFailed)
+            return False
+        self.inner.step_outer(result)
+        result.info["round"] = round_
+        exact = [p.detach().to(torch.float32).clone() for p in self.inner.phi]
+        for p, estimated, s in zip(self.inner.model.parameters(), self.start, exact):
+            p.add_((s - estimated).to(p.device, p.dtype))
+        self.start = exact
+        self.pending = (round_, _Applied(result))
+        return True
+
     def sync(self, round_: int, weight: float, timeout: float | None = None) -> RoundResult | None:
         """Round t's reduce starts; round t − 1's lands (returned; None at the first round); θ ← s_{t+1}."""
         launched, finished = [], []
@@ -228,6 +281,9 @@ class Overlapped(Replica):
                       finished: list[RoundResult]) -> list[torch.Tensor]:
         """Waits for a pending round (a late one is fetched from its members), steps φ, returns φ."""
         round_, handle = pending
+        if isinstance(handle, _Applied):  # stepped as it arrived
+            finished.append(handle.landed)
+            return self.inner.phi
         try:
             result = handle.result(timeout)
         except NotInRound as late:

@@ -53,8 +53,9 @@ class Algorithm:
         replica = self.build(spec)
         if not self.overlaps(spec.config):
             return replica
-        update = getattr(getattr(spec.config, self.section), "overlap_update", "delayed")
-        return Overlapped(replica, spec.manifest_of, update)
+        section = getattr(spec.config, self.section)
+        return Overlapped(replica, spec.manifest_of, getattr(section, "overlap_update", "delayed"),
+                          getattr(section, "overlap_apply", "arrival"))
 
 
 def _dense(codec: Callable[[object], str]) -> Callable[[object, list], DenseMean]:

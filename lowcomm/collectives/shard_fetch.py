@@ -170,6 +170,8 @@ class _CatchUp:
         self._forgot: set[str] = set()
         self._why: dict[int, dict[str, str]] = {}
         self._stop = threading.Event()
+        if not others:  # nobody to ask
+            self._stop.set()
 
     def forgot(self, member: str) -> None:
         with self._lock:

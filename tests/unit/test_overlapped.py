@@ -42,13 +42,14 @@ def inner_steps(model: nn.Module, grads) -> None:
             p.sub_(LR * g)
 
 
-def replicas(overlap: bool, update: str = "delayed"):
+def replicas(overlap: bool, update: str = "delayed", apply: str = "boundary"):
     group = InProcessGroup(REPLICAS)
     out = []
     for r in range(REPLICAS):
         model = make_model()
         replica = DiLoCo(model, DilocoConfig(outer_lr=0.7, outer_momentum=0.9), group.replica(r), KEY)
-        out.append(Overlapped(replica, manifest_of=lambda round_: None, update=update) if overlap else replica)
+        out.append(Overlapped(replica, manifest_of=lambda round_: None, update=update, apply=apply)
+                   if overlap else replica)
     return out
 
 
@@ -139,6 +140,57 @@ def test_each_rule_starts_the_next_round_where_algorithms_overlap_says(update):
                 expected = [p - lr * (d + mu * (mu * b + d)) for p, b, d in zip(phi, held, deltas[r])]
             assert close([p.detach() for p in rep.model.parameters()], expected), f"round {t}, replica {r}"
         mean_before = [sum(d[k] for d in deltas) / REPLICAS for k in range(len(phi))]
+
+
+def theta(replica) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in replica.model.parameters()]
+
+
+@pytest.mark.parametrize("update", ["delayed", "momentum", "eager"])
+def test_an_aggregate_applied_on_arrival_puts_theta_where_plain_diloco_has_it(update):
+    """apply = "arrival": once round t's aggregate has come (here: as soon as every replica launched
+    it), the next inner step's check steps φ and moves θ by φ_t − s_{t+1}. With gradients that ignore
+    θ, θ is then exactly plain DiLoCo's at the same step, whatever the start rule; the round lands
+    (its result returned) at the boundary as before, and φ is not stepped twice."""
+    grads = fixed_grads(3)
+    plain, arriving = replicas(False), replicas(True, update, apply="arrival")
+    for t in range(ROUNDS):
+        for h in range(H):
+            for r in range(REPLICAS):
+                inner_steps(plain[r].model, [grads[r][t][h]])
+                inner_steps(arriving[r].model, [grads[r][t][h]])
+            if h == 0 and t > 0:
+                assert all(rep.apply_arrived() for rep in arriving)
+                assert not any(rep.apply_arrived() for rep in arriving)  # applied once
+                for p, a in zip(plain, arriving):
+                    assert close(theta(a), theta(p)), f"round {t}: θ after the aggregate arrived"
+                    assert close(a.phi, p.phi)
+        handles = [rep.start_sync(t, 1.0) for rep in plain]
+        for rep, handle in zip(plain, handles):
+            rep.apply(handle.result(10))
+        results = [rep.sync(t, 1.0, timeout=10) for rep in arriving]
+        assert all((res is None) == (t == 0) for res in results)
+        if t > 0:
+            assert {res.info["round"] for res in results} == {t - 1}
+            assert close(phis(arriving[0]), phis_before)  # φ_{t−1}, stepped once, on arrival
+        phis_before = phis(plain[0])
+    for rep in arriving:
+        assert rep.drain(10).info["round"] == ROUNDS - 1
+    for p, a in zip(plain, arriving):  # after drain: θ = φ = plain DiLoCo's
+        assert close(theta(a), theta(p)) and close(a.phi, p.phi)
+
+
+def test_an_aggregate_not_yet_arrived_waits_for_the_boundary():
+    """apply = "arrival" with a round still in flight (a replica has not launched it): nothing moves."""
+    reps = replicas(True, "momentum", apply="arrival")
+    grads = fixed_grads(4)
+    for r, rep in enumerate(reps):
+        inner_steps(rep.model, grads[r][0])
+    for rep in reps[:-1]:
+        rep.sync(0, 1.0, timeout=10)
+    before = [theta(rep) for rep in reps[:-1]]
+    assert not any(rep.apply_arrived() for rep in reps[:-1])
+    assert all(close(theta(rep), b) for rep, b in zip(reps[:-1], before))
 
 
 class _Late:
