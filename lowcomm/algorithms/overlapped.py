@@ -231,7 +231,7 @@ class Overlapped(Replica):
             return False
         self.inner.step_outer(result)
         result.info["round"] = round_
-        exact = [p.detach().to(torch.float32).clone() for p in self.inner.phi]
+        exact = [p.detach().to("cpu", torch.float32).clone() for p in self.inner.phi]  # as _theta
         for p, estimated, s in zip(self.inner.model.parameters(), self.start, exact):
             p.add_((s - estimated).to(p.device, p.dtype))
         self.start = exact
