@@ -106,7 +106,7 @@ class Overlapped(Replica):
     announces_ahead = True
 
     def __init__(self, inner: OuterReplica, manifest_of: Callable[[int], object], update: str = "delayed",
-                 apply: str = "boundary"):
+                 apply: str = "arrival"):
         """``manifest_of(round)``: the round's manifest, or None while there is none (the DHT);
         ``update``: the rule for the next round's start, one of algorithms.overlap.UPDATES; ``apply``:
         when an arrived aggregate is applied, one of APPLY."""
