@@ -13,7 +13,6 @@ import selectors
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 from children import default_sigint, wait_until
@@ -293,18 +292,17 @@ def delta(after: dict, before: dict) -> dict:
 
 
 def settled(*nodes, within_s: float = 10.0) -> list[dict]:
-    """The nodes' counters once no frame moved between two reads 50 ms apart: the last frames of a
-    connection (its ACKs and FINs) still cross the bridge after the client returns, and a busy host
-    reads one node's counters well after the other's."""
-    deadline = time.monotonic() + within_s
-    last = [n.counters() for n in nodes]
-    while time.monotonic() < deadline:
-        time.sleep(0.05)  # a sampling interval, not a wait for an event: nothing signals "no more frames"
-        now = [n.counters() for n in nodes]
-        if now == last:
-            return now
-        last = now
-    raise AssertionError(f"the counters kept moving for {within_s} s: {last}")
+    """The nodes' counters once two reads 50 ms apart agree: the last frames of a connection (its ACKs
+    and FINs) still cross the bridge after the client returns, and a busy host reads one node's
+    counters well after the other's."""
+    last: list = [None]
+
+    def unchanged():
+        now, before = [n.counters() for n in nodes], last[0]
+        last[0] = now
+        return now if now == before else None
+
+    return wait_until(unchanged, within_s, "counters that stop moving", poll_s=0.05)
 
 
 @needs_netns
