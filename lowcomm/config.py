@@ -37,6 +37,7 @@ from lowcomm.collectives.robust import AGGREGATES
 from lowcomm.compress.base import MAX_ZSTD_LEVEL
 from lowcomm.compress.sparse import MAX_CHUNK
 from lowcomm.compress.topk import VALUE_CODECS
+from lowcomm.config_values import ConfigError, apply_values
 from lowcomm.data.corpus import BYTE_LEVEL, CORPORA, TOKEN_DTYPES, DataConfig
 from lowcomm.models.factory import factory_spec_error
 from lowcomm.models.gpt import ModelConfig
@@ -90,10 +91,6 @@ RANGES: dict[str, tuple[Any, str]] = {
     "checkpoint.every_rounds": (lambda v: v >= 0, ">= 0 (0: none)"), "checkpoint.keep": _AT_LEAST_1,
     "checkpoint.every_s": _AT_LEAST_0,
 }
-
-
-class ConfigError(ValueError):
-    """A config file or override is invalid; the message says which key and what is allowed."""
 
 
 @dataclass
@@ -188,7 +185,7 @@ class RunConfig:
                                   f"known: {', '.join(f.name for f in dataclasses.fields(cls))}")
             if not isinstance(values, dict):
                 raise ConfigError(f"[{section_name}] must be a table")
-            _apply(getattr(config, section_name), section_name, values)
+            apply_values(getattr(config, section_name), section_name, values)
         config.validate()
         return config
 
@@ -340,41 +337,6 @@ class RunConfig:
                 parse_link_option(spec)
             except ValueError as e:
                 raise ConfigError(f"{key} = {spec!r}: {e}") from None
-
-
-def _apply(target: Any, section: str, values: dict[str, Any]) -> None:
-    fields = {f.name: f for f in dataclasses.fields(target)}
-    for key, value in values.items():
-        if key not in fields:
-            raise ConfigError(f"unknown key {section}.{key}; known: {', '.join(fields)}")
-        current = getattr(target, key)
-        if current is None:  # an optional number (noloco.consensus): checked by validate()
-            setattr(target, key, value)
-            continue
-        converted = _convert(value, current)
-        if converted is None:
-            expected = {list: "a list of strings", dict: "a table of strings", bool: "true or false", int: "an integer",
-                        float: "a number", str: "a string"}[type(current)]
-            raise ConfigError(f"{section}.{key} = {value!r}: expected {expected}")
-        setattr(target, key, converted)
-
-
-def _convert(value: Any, like: Any) -> Any:
-    """`value` as the type of the default `like`, or None where it is not one (no bools as numbers,
-    no strings as numbers, no fractions as integers)."""
-    if isinstance(like, list):
-        return list(value) if isinstance(value, list) and all(isinstance(v, str) for v in value) else None
-    if isinstance(like, dict):
-        if isinstance(value, dict) and all(isinstance(v, str) for v in value.values()):
-            return {str(k): v for k, v in value.items()}
-        return None
-    if isinstance(like, bool) or isinstance(like, str):
-        return value if isinstance(value, type(like)) else None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    if isinstance(like, int):
-        return int(value) if math.isfinite(value) and value == int(value) else None
-    return float(value)
 
 
 def default_config() -> RunConfig:
