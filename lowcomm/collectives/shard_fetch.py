@@ -102,7 +102,7 @@ class ShardFetching:
         def shard(j: int) -> ShardReply | None:
             while not fetch.over():
                 reply = self._fill_hole(manifest, key, round_, j, bounds[j], ask_owner=True,
-                                        wait_s=min(ASK_WAIT_S, fetch.remaining()), expired=fetch, why=fetch.why(j))
+                                        wait_s=min(ASK_WAIT_S, fetch.remaining()), catching=fetch)
                 if reply is not None:
                     return reply
                 fetch.pause()
@@ -125,10 +125,9 @@ class ShardFetching:
 
     def _fill_hole(self, manifest: Manifest, key: GroupKey, round_: int, shard: int, bounds: tuple[int, int],
                    ask_owner: bool = False, wait_s: float = 1.0, out: Sink | None = None,
-                   expired: "_CatchUp | None" = None, why: dict[str, str] | None = None):
+                   catching: "_CatchUp | None" = None):
         """Shard ``shard`` from its owner (``ask_owner``) or another member that holds it, else None;
-        ``expired`` collects the members that said the round is forgotten there, ``why`` each member's
-        last refusal."""
+        ``catching``: the catch-up this ask is part of, told who forgot the round and why others refused."""
         owner = manifest.owners[shard]
         askable = [owner] if ask_owner else []
         askable += [m for m in manifest.members if m not in (self.me, owner)]
@@ -145,12 +144,12 @@ class ShardFetching:
                 raise
             except ShardExpired as e:
                 logger.info("round %d: %s no longer holds shard %d: %s", round_, member, shard, e)
-                if expired is not None:
-                    expired.forgot(member)
+                if catching is not None:
+                    catching.forgot(member)
             except (grpc.RpcError, CollectiveError, WireError) as e:
                 logger.info("round %d: %s could not fill shard %d: %s", round_, member, shard, e)
-                if why is not None:
-                    why[member] = _short(e)
+                if catching is not None:
+                    catching.refused(shard, member, _short(e))
         return None
 
 
@@ -193,10 +192,12 @@ class _CatchUp:
         """Between two rounds of asks that all failed at once (refusals, not waits)."""
         self._stop.wait(min(RETRY_S, self.remaining()))
 
-    def why(self, shard: int) -> dict[str, str]:
+    def refused(self, shard: int, member: str, why: str) -> None:
         with self._lock:
-            return self._why.setdefault(shard, {})
+            self._why.setdefault(shard, {})[member] = why
 
     def reason(self, shard: int) -> str:
-        why = self.why(shard)
+        """Each member's last refusal of ``shard``, as the end of the catch-up's error; "" if none."""
+        with self._lock:
+            why = dict(self._why.get(shard, {}))
         return (" (shard %d: %s)" % (shard, "; ".join(f"{m[:12]}: {e}" for m, e in sorted(why.items())))) if why else ""
