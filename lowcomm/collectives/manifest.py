@@ -36,7 +36,7 @@ from typing import Callable
 
 from lowcomm.collectives.base import CollectiveError, NotInRound
 from lowcomm.collectives.config import SyncConfig
-from lowcomm.collectives.manifest_record import Manifest, bounded_fan_in  # noqa: F401  (imported from here)
+from lowcomm.collectives.manifest_record import Manifest, bounded_fan_in, first_valid  # noqa: F401  (imported from here)
 from lowcomm.collectives.round_reads import RoundReads
 from lowcomm.transport.control import ControlPlane, PeerRecord
 from lowcomm.transport.round_posts import ANNOUNCE, MANIFEST, VOTE
@@ -74,16 +74,20 @@ class ManifestAgreement:
         self._refused: set[tuple[str, int, str, str]] = set()  # (group, round, peer, reason) already counted
         self._missed: dict[str, dict[str, tuple[int, str, int]]] = {}  # group -> peer -> (round missed, its record's
         # state and round then): not waited for while it stays silent (_silent)
+        self._endpoints: dict[str, dict[str, str]] = {}  # group -> the newest followed manifest's endpoints
         self.refused_writers = 0
         self.reads = RoundReads(control, self.wakes)  # the round's records: posted, and the DHT's
 
     # ---- which writers count --------------------------------------------------------------------
 
-    def learn(self, group: str, round_: int, members) -> None:
+    def learn(self, group: str, round_: int, members, endpoints: dict[str, str] | None = None) -> None:
         """Remembers the members of the manifest that starts at ``round_``: the next one counts only from
-        one of them. A followed manifest is learnt so; a joiner's first from its anchor (runtime.round_anchor)."""
+        one of them. A followed manifest is learnt so (with its ``endpoints``: its φ votes go to them); a
+        joiner's first from its anchor (runtime.round_anchor)."""
         known = [k for k in self._known.get(group, []) if k[0] != round_] + [(round_, frozenset(members))]
         self._known[group] = sorted(known)[-KNOWN_MANIFESTS:]
+        if endpoints is not None and round_ >= max(first for first, _ in known):
+            self._endpoints[group] = dict(endpoints)
 
     def trusted(self, group: str, round_: int) -> frozenset[str] | None:
         """The writers whose manifest for ``round_`` counts: the members of the newest manifest known to
@@ -98,11 +102,11 @@ class ManifestAgreement:
         manifests = self._admitted(manifests, group, round_)
         trusted = self.trusted(group, round_)
         if trusted is None:
-            return _first_valid(manifests, group, round_)
+            return first_valid(manifests, group, round_)
         for writer in sorted(set(manifests) - trusted - fallback):
             self._refuse(group, round_, writer, "a manifest from a peer outside the previous round's members")
         order = sorted(set(manifests) & trusted) + sorted((set(manifests) & fallback) - trusted)
-        return _first_valid({w: manifests[w] for w in order}, group, round_, order)
+        return first_valid({w: manifests[w] for w in order}, group, round_, order)
 
     def _refuse(self, group: str, round_: int, peer: str, reason: str) -> None:
         """A `reject` event, once per peer, round and reason."""
@@ -148,15 +152,18 @@ class ManifestAgreement:
         self._announce(group, round_, {**info, "ahead": True} if ahead else info)
 
     def publish_vote(self, group: str, round_: int, phi_hash: str, ttl: float) -> None:
-        """This peer's φ hash of a round it applied: posted to the peers due in the group (their drift
-        checks) and the coordinator (its anchors), as known from the last read of the live records, and
-        stored for anyone else (a download's check, a peer that missed the post)."""
+        """This peer's φ hash of a round it applied: posted to the members of the last manifest it followed
+        and the peers due in the group (their drift checks) and the coordinator (its anchors), as known from
+        the last read of the live records. It is stored for anyone else (a download's check) only while no
+        coordinator is in the run (with one, a joiner checks against its anchor) or if a post did not arrive."""
         records = self.reads.live(cached=True)
         endpoints = [rec.endpoint for p, rec in records.items() if p != self.me and self.admits(p)
                      and ((rec.state in ("training", "joining") and self.due_in_group(group, rec))
                           or rec.state in ("coordinator", "holder"))]
+        endpoints += [e for p, e in self._endpoints.get(group, {}).items() if p != self.me]
+        anchored = any(rec.state == "coordinator" for rec in records.values())
         self.wakes.publish(endpoints if self.wakes.posting else [], VOTE, group, round_,
-                           self.control.record({"hash": phi_hash}),
+                           self.control.record({"hash": phi_hash}), posted_only=anchored,
                            store=lambda: self.control.publish_phi_hash(group, round_, phi_hash, ttl))
 
     def votes(self, group: str, round_: int, voters=frozenset(), fresh: bool = False) -> dict[str, str]:
@@ -168,7 +175,8 @@ class ManifestAgreement:
         self._announce(group, round_, {"endpoint": None, "gone": True})  # readers drop it
 
     def _announce(self, group: str, round_: int, info: dict) -> None:
-        """Posts it to the live peers due in the group, and stores it (one ahead: only if one of them takes no posts).
+        """Posts it to the live peers due in the group; stores it only if one of them takes no posts or a
+        post did not arrive (Decision 34; a withdrawal is always stored).
 
         An announcement ahead goes to the peers of the last read of the live records, however old: it
         follows a round whose agreement read them. A peer that joined since misses it (the round's own
@@ -178,9 +186,9 @@ class ManifestAgreement:
         records = self.reads.live(cached=bool(info.get("ahead")))
         due = [rec for p, rec in records.items() if p != self.me and self.admits(p)
                and rec.state in ("training", "joining") and self.due_in_group(group, rec)]
-        posted_only = info.get("ahead") and self.wakes.posting and not any(rec.client_mode for rec in due)
+        posted_only = info.get("endpoint") is not None and not any(rec.client_mode for rec in due)
         self.wakes.publish([rec.endpoint for rec in due], ANNOUNCE, group, round_, self.control.record(info),
-                           store=None if posted_only else lambda: self.control.announce(group, round_, info, self._ttl))
+                           store=lambda: self.control.announce(group, round_, info, self._ttl), posted_only=posted_only)
 
     def agree(self, group: str, round_: int, epoch_rounds: int, codec: str,
               suspects: frozenset[str] = frozenset()) -> Manifest:
@@ -340,6 +348,8 @@ class ManifestAgreement:
                             {p: announcers[p]["endpoint"] for p in members}, owners, codec,
                             bounded_fan_in(self.control.run, group, round_, members, self.sync.max_contributors))
         coordinator = [r.endpoint for r in self.reads.live().values() if r.state in ("coordinator", "holder")]
+        if self.me not in (self.trusted(group, round_) or ()):  # a reader past the round may need to see why it counts
+            self.control.announce(group, round_, announcers[self.me], self._ttl)
         self.wakes.publish([manifest.endpoints[p] for p in members if p != self.me] + coordinator, MANIFEST, group,
                            round_, self.control.manifest_record(manifest.to_dict()),
                            store=lambda: self.control.publish_manifest(group, round_, manifest.to_dict(), ttl))
@@ -358,7 +368,7 @@ class ManifestAgreement:
                                 if isinstance(info.get("endpoint"), str) and not info.get("ahead"))
         manifest = self._pick(manifests, group, round_, outside)
         if manifest is not None:
-            self.learn(group, round_, manifest.members)
+            self.learn(group, round_, manifest.members, manifest.endpoints)
         return manifest
 
     def _follow(self, manifests: dict[str, dict], group: str, round_: int, fallback: frozenset[str],
@@ -376,22 +386,8 @@ class ManifestAgreement:
         if (self.quorum and previous is not None
                 and self._solo_after_others(previous, manifest.members, self.reads.live())):
             raise CollectiveError(f"round {round_}: a manifest naming only this peer after a round with others")
-        self.learn(group, round_, manifest.members)
+        self.learn(group, round_, manifest.members, manifest.endpoints)
         if self.me not in manifest.members:
             raise NotInRound(f"round {round_}: this peer is not in the manifest (announced too late)", manifest)
         return manifest
 
-
-def _first_valid(manifests: dict[str, dict], group: str, round_: int,
-                 order: list[str] | None = None) -> Manifest | None:
-    """The first well-formed manifest for (group, round_) in the writers' ``order`` (default: by id)."""
-    for writer in (sorted(manifests or {}) if order is None else order):
-        try:
-            manifest = Manifest.from_dict(manifests[writer])
-        except (KeyError, TypeError, ValueError) as e:
-            logger.warning("ignored a malformed manifest from %s: %s", writer, e)
-            continue
-        if manifest.round != round_ or manifest.group != group:
-            continue
-        return manifest
-    return None

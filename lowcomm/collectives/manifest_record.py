@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -59,3 +62,18 @@ def bounded_fan_in(run: str, group: str, round_: int, members: list[str], limit:
     def key(peer: str) -> bytes:
         return hashlib.sha256(b"\x00".join(x.encode() for x in (run, group, str(round_), peer))).digest()
     return sorted(sorted(members, key=lambda peer: (key(peer), peer))[:limit])
+
+
+def first_valid(manifests: dict[str, dict], group: str, round_: int,
+                 order: list[str] | None = None) -> Manifest | None:
+    """The first well-formed manifest for (group, round_) in the writers' ``order`` (default: by id)."""
+    for writer in (sorted(manifests or {}) if order is None else order):
+        try:
+            manifest = Manifest.from_dict(manifests[writer])
+        except (KeyError, TypeError, ValueError) as e:
+            logger.warning("ignored a malformed manifest from %s: %s", writer, e)
+            continue
+        if manifest.round != round_ or manifest.group != group:
+            continue
+        return manifest
+    return None

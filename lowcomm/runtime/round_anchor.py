@@ -11,8 +11,9 @@ cannot move it.
   follows the manifests as every peer does (collectives.manifest: each counts only from a member
   of the previous one) and, once the members of the manifest covering round R − 1 voted (or
   `settle_s` passed), signs {R, the agreed hash of those members' votes, those members} under
-  `<run>.anchor.<group>.<R>` (`RoundFollower`). The votes count as complete once every one of
-  those members that is still training voted, or one hash holds more than half of them.
+  `<run>.anchor.<group>.<R>` (`RoundFollower`) while a peer is joining (Decision 34). The votes
+  count as complete once every one of those members that is still training voted, or one hash holds
+  more than half of them.
 - With no coordinator in the run, a joiner falls back to the majority of every vote published for
   the round (`agreed_hash` over all of them): that fallback is not defended against sybils.
 """
@@ -30,6 +31,7 @@ from lowcomm.transport.control import ControlPlane
 logger = logging.getLogger(__name__)
 WALK_BUDGET = 64  # manifests the follower reads per tick at most
 KEPT_ANCHORS = 256  # the newest anchors the coordinator keeps in memory
+RECENT_ANCHORS = 4  # the newest anchors stored once a joiner appears (a download takes the newest round's state)
 
 
 @dataclass(frozen=True)
@@ -92,12 +94,22 @@ class RoundFollower:
         self.next_manifest = start  # the next round whose manifest to read
         self.next_vote = start + 1  # the next round to settle
         self.anchors: dict[int, Anchor] = {}
+        self._stored: set[int] = set()  # rounds whose anchor is in the DHT
         self._first_seen: dict[int, float] = {}
 
-    def tick(self, newest: int, training: set[str] = frozenset()) -> list[Anchor]:
-        """``training``: the ids of the live records in state training (the votes that may still come)."""
+    def tick(self, newest: int, training: set[str] = frozenset(), joiners: bool = True) -> list[Anchor]:
+        """``training``: the ids of the live records in state training (the votes that may still come);
+        ``joiners``: whether a peer may be downloading the state (a live record is joining). Only then are
+        anchors stored in the DHT: the newest RECENT_ANCHORS not stored yet, and each new one while it lasts
+        (Decision 34); the coordinator's own checks use the ones it holds."""
         self._walk(newest)
-        return self._settle(newest, set(training))
+        settled = self._settle(newest, set(training))
+        if joiners:
+            for round_ in sorted(self.anchors)[-RECENT_ANCHORS:]:
+                if round_ not in self._stored:
+                    publish_anchor(self.control, self.group, self.anchors[round_], self.ttl)
+                    self._stored.add(round_)
+        return settled
 
     def _walk(self, newest: int) -> None:
         for _ in range(WALK_BUDGET):
@@ -131,9 +143,9 @@ class RoundFollower:
             self.next_vote += 1
             if votes:
                 anchor = Anchor(round_, agreed_hash(votes), tuple(sorted(members)))
-                publish_anchor(self.control, self.group, anchor, self.ttl)
                 self.anchors[round_] = anchor
                 settled.append(anchor)
         for old in sorted(self.anchors)[:-KEPT_ANCHORS]:
             del self.anchors[old]
+            self._stored.discard(old)
         return settled

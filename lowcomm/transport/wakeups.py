@@ -23,6 +23,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -128,36 +129,60 @@ class WakeSender:
         """Wakes the peers at ``endpoints`` (those that are not strings, or empty, are skipped)."""
         self.send(endpoints, wire_pb2.WakeRequest(group=group, round=round_))
 
-    def send(self, endpoints, request: wire_pb2.WakeRequest) -> None:
-        """Sends ``request`` (a bare wake or a round post) to the peers at ``endpoints``."""
+    def send(self, endpoints, request: wire_pb2.WakeRequest, on_failed: Callable[[], None] | None = None) -> None:
+        """Sends ``request`` (a bare wake or a round post) to the peers at ``endpoints``; ``on_failed()`` runs
+        once (on a thread of its own) if it did not reach one of them: refused, timed out or dropped."""
+        failure = _OnceFailed(on_failed)
         for endpoint in {e for e in endpoints if isinstance(e, str) and e}:
             if not self._pending.acquire(blocking=False):
                 self.dropped += 1
+                failure()
                 continue
             try:
-                self._pool.submit(self._send, endpoint, request)
+                self._pool.submit(self._send, endpoint, request, failure)
             except RuntimeError:  # shut down
                 self._pending.release()
                 return
 
-    def _send(self, endpoint: str, request: wire_pb2.WakeRequest) -> None:
+    def _send(self, endpoint: str, request: wire_pb2.WakeRequest, failure: "_OnceFailed") -> None:
         deadline = deadline_after(WAKE_TIMEOUT_S)
         try:
             self.traffic.count_sent(request, deadline)
             reply = self.channels.stub(endpoint).Wake(request, timeout=WAKE_TIMEOUT_S)
             self.traffic.count_received(reply, deadline)
             self.sent += 1
+            return
         except grpc.RpcError as e:
-            self.failed += 1
             logger.debug("wake to %s failed: %s", endpoint, e.code())
         except Exception as e:  # a closed channel at shutdown: the hint is lost, nothing else
-            self.failed += 1
             logger.debug("wake to %s failed: %s", endpoint, e)
         finally:
             self._pending.release()
+        self.failed += 1
+        failure()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _OnceFailed:
+    """Runs a send's ``on_failed`` once, on a daemon thread (it may be a DHT store, seconds long)."""
+
+    def __init__(self, on_failed: Callable[[], None] | None):
+        self._on_failed, self._lock = on_failed, threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            run, self._on_failed = self._on_failed, None
+        if run is not None:
+            threading.Thread(target=_logged, args=(run,), daemon=True, name="post-fallback").start()
+
+
+def _logged(call: Callable[[], None]) -> None:
+    try:
+        call()
+    except Exception as e:  # a DHT out of reach: the record is lost to the peers the post missed
+        logger.info("storing a post that did not arrive failed: %s", e)
 
 
 class Wakes:
@@ -194,19 +219,22 @@ class Wakes:
         if self.sender is not None:
             self.sender.wake(endpoints, group, round_)
 
-    def publish(self, endpoints, kind: str, group: str, round_: int, record: dict, store=None) -> None:
+    def publish(self, endpoints, kind: str, group: str, round_: int, record: dict, store=None,
+                posted_only: bool = False) -> None:
         """Makes this peer's round ``record`` known to the peers at ``endpoints``: posted (and kept among its
         own posts), then ``store()``d in the DHT, as the post arrives sooner; without posts, stored and then
-        a bare wake (the woken read the DHT)."""
+        a bare wake (the woken read the DHT). ``posted_only``: stored only if a post did not arrive."""
         if not self.posting:
             if store is not None:
                 store()
             self.wake(endpoints, group, round_)
             return
         self.posts.add(kind, group, round_, self.signer.peer_id, record)
+        fallback = store if posted_only and self.sender is not None else None
         if self.sender is not None:
-            self.sender.send(endpoints, post_request(self.signer, self.posts.run, kind, group, round_, record))
-        if store is not None:
+            self.sender.send(endpoints, post_request(self.signer, self.posts.run, kind, group, round_, record),
+                             on_failed=fallback)
+        if store is not None and fallback is None:
             store()
 
     @property

@@ -2,7 +2,8 @@
 (an hour) still settle every round, because each announcement and the manifest wake the peers that
 wait on them; and the DHT reads a round costs a peer stay within a bound of the design: a look per
 wake (each other peer's announcement, the manifest) and a few of its own, not one per 50 ms. An
-announcement ahead reads no records; a φ vote is posted to the due peers and the coordinator."""
+announcement ahead reads no records; a φ vote is posted to the due peers, the members and the
+coordinator; a round's announcements and votes are stored only where a post cannot reach (Decision 34)."""
 
 from __future__ import annotations
 
@@ -107,27 +108,64 @@ def test_an_announcement_ahead_goes_to_the_records_last_read_and_reads_none():
 
 
 class PostRecorder(RecordingSender):
-    """Remembers whom each post went to, and what it carried."""
+    """Remembers whom each post went to, and what it carried; ``fail``: every post is lost (on_failed runs)."""
 
-    def __init__(self):
+    def __init__(self, fail: bool = False):
         super().__init__()
         self.posted: list[tuple[set[str], str, dict]] = []
+        self.fail = fail
 
-    def send(self, endpoints, request):
+    def send(self, endpoints, request, on_failed=None):
         self.posted.append((set(endpoints), request.kind, json.loads(request.value)))
+        if self.fail and endpoints and on_failed is not None:
+            on_failed()
 
 
-def test_a_vote_is_posted_to_the_due_peers_and_the_coordinator_and_stored():
+def posting_peer(live: dict, store: dict, fail: bool = False):
     signer = Signer.generate()
     me = signer.peer_id
-    live = {me: PeerRecord(me, "me:1", state="training", round=5),
-            "b": PeerRecord("b", "b:1", state="training", round=5),
-            "coord": PeerRecord("coord", "coord:1", state="coordinator"),
-            "gone": PeerRecord("gone", "gone:1", state="leaving", round=5)}
-    store, sender = {}, PostRecorder()
+    live[me] = PeerRecord(me, "me:1", state="training", round=5)
+    sender = PostRecorder(fail)
     agreement = ManifestAgreement(CountedControl(me, store, live), SYNC, "me:1",
                                   wakes=Wakes(Wakeups(), sender, NEVER_S, posts=RoundPosts("run"), signer=signer))
+    return agreement, sender, me
+
+
+def test_a_vote_is_posted_to_the_due_peers_and_the_coordinator_and_stored_only_without_a_coordinator():
+    live = {"b": PeerRecord("b", "b:1", state="training", round=5),
+            "coord": PeerRecord("coord", "coord:1", state="coordinator"),
+            "gone": PeerRecord("gone", "gone:1", state="leaving", round=5)}
+    store = {}
+    agreement, sender, me = posting_peer(live, store)
     agreement.publish_vote("0-0", 5, "h5", 60)
     assert sender.posted == [({"b:1", "coord:1"}, VOTE, {"peer_id": me, "hash": "h5"})]
-    assert store[("phi", "0-0", 5)] == {me: "h5"}  # for a download's check and a peer that missed the post
+    assert ("phi", "0-0", 5) not in store  # a joiner checks against the coordinator's anchor
     assert agreement.votes("0-0", 5, {me}) == {me: "h5"}  # its own vote, kept among its posts
+    alone, _, alone_me = posting_peer({"b": live["b"]}, store)  # no coordinator: a download's check reads the DHT
+    alone.publish_vote("0-0", 6, "h6", 60)
+    assert store[("phi", "0-0", 6)] == {alone_me: "h6"}
+
+
+def test_a_vote_goes_to_the_members_of_the_manifest_followed_too():
+    live = {"coord": PeerRecord("coord", "coord:1", state="coordinator")}
+    agreement, sender, me = posting_peer(live, {})
+    agreement.learn("0-0", 5, [me, "new"], {me: "me:1", "new": "new:1"})  # a member not in the records read yet
+    agreement.publish_vote("0-0", 5, "h5", 60)
+    assert sender.posted[-1][0] == {"new:1", "coord:1"}
+
+
+def test_a_reached_round_is_announced_by_post_and_stored_only_where_a_post_cannot_reach():
+    live = {"b": PeerRecord("b", "b:1", state="training", round=5)}
+    store = {}
+    agreement, sender, me = posting_peer(live, store)
+    agreement.announce("0-0", 5)
+    assert sender.posted[-1][:2] == ({"b:1"}, "announce") and ("announce", "0-0", 5) not in store
+    lost, lost_sender, lost_me = posting_peer(dict(live), store, fail=True)  # its post does not arrive: stored
+    lost.announce("0-0", 6)
+    assert set(store[("announce", "0-0", 6)]) == {lost_me}
+    client = PeerRecord("c", "c:1", state="training", round=5, client_mode=True)  # takes no posts: stored
+    beside, _, beside_me = posting_peer({**live, "c": client}, store)
+    beside.announce("0-0", 7)
+    assert set(store[("announce", "0-0", 7)]) == {beside_me}
+    agreement.withdraw("0-0", 8)  # a withdrawal is always stored
+    assert set(store[("announce", "0-0", 8)]) == {me}

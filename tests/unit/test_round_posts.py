@@ -164,7 +164,7 @@ class Delivery:
     def __init__(self, boards: dict[str, tuple[RoundPosts, Wakeups]]):
         self.boards = boards
 
-    def send(self, endpoints, request):
+    def send(self, endpoints, request, on_failed=None):
         for endpoint in endpoints:
             posts, wakeups = self.boards[endpoint]
             group, round_ = posts.accept(request)
@@ -201,6 +201,8 @@ def test_four_peers_agree_from_posts_alone(signers):
     # leader's, before it writes (a manifest it was not posted, e.g. as a late peer, must not be raced)
     for p, control in zip(ids, controls):
         assert control.reads == (Counter(peers=1, manifest=1) if p == ids[0] else Counter(peers=1)), (p, control.reads)
+    # every post arrived: no announcement went to the DHT (Decision 34), the manifest did
+    assert sorted(key[0] for key in store) == ["manifest"]
     # the coordinator follows the round from the leader's post (its DHT read waits for the poll)
     follower_control = PostingControl("coordinator", store, live)
     follower = ManifestAgreement(follower_control, sync, "", wakes=Wakes(None, None, NEVER_S,
@@ -209,7 +211,7 @@ def test_four_peers_agree_from_posts_alone(signers):
     assert follower_control.reads == Counter()
 
 
-def test_an_announcement_ahead_is_posted_not_stored_unless_a_due_peer_takes_no_posts(signers):
+def test_an_announcement_is_posted_not_stored_unless_a_due_peer_takes_no_posts(signers):
     ids = sorted(s.peer_id for s in signers[:2])
     by_id = {s.peer_id: s for s in signers}
     boards = {f"{p}:1": (RoundPosts("run"), Wakeups()) for p in ids}
@@ -220,8 +222,9 @@ def test_an_announcement_ahead_is_posted_not_stored_unless_a_due_peer_takes_no_p
     agreement.announce("0-0", 6, ahead=True)
     assert ("announce", "0-0", 6) not in store  # posted only: the round's leader hears of it so
     assert boards[f"{other}:1"][0].records(ANNOUNCE, "0-0", 6)[me]["ahead"] is True
-    agreement.announce("0-0", 6)  # reaching the round: stored and posted
-    assert store[("announce", "0-0", 6)][me].get("ahead") is None
+    agreement.announce("0-0", 6)  # reaching the round: posted only too (Decision 34)
+    assert ("announce", "0-0", 6) not in store
+    assert boards[f"{other}:1"][0].records(ANNOUNCE, "0-0", 6)[me].get("ahead") is None
     live[other] = PeerRecord(other, f"{other}:1", state="training", round=5, client_mode=True)
     agreement.reads._records = (float("-inf"), {})  # read the records again
     agreement.announce("0-0", 7, ahead=True)  # a due peer others cannot post to: the DHT holds it too

@@ -7,6 +7,8 @@ from __future__ import annotations
 import threading
 import time
 
+from children import wait_until
+from lowcomm.proto.wire_pb2 import WakeRequest
 from lowcomm.transport.service import PeerService
 from lowcomm.transport.wakeups import MIN_READ_S, Wakes, WakeSender, Wakeups
 from lowcomm.transport.wire import Channels, Traffic, start_server
@@ -87,6 +89,33 @@ def test_a_sender_wakes_a_live_peer_and_counts_a_dead_one():
         sender.wake(["127.0.0.1:1"], "g", 5)  # nothing listens there
         assert done.wait(WAIT_S)
         assert sender.sent == 1 and sender.failed == 1
+    finally:
+        sender.close()
+        channels.close()
+        server.stop(0)
+        service.channels.close()
+
+
+def test_a_post_that_misses_a_peer_runs_its_fallback_once_and_one_that_arrives_none():
+    service = PeerService("woken", Traffic(), Channels(1 << 16))
+    server, port = start_server(service, "127.0.0.1", 0, 1 << 16)
+    channels = Channels(1 << 16)
+    sender = WakeSender(channels, Traffic())
+    fallbacks, ran = [], threading.Event()
+
+    def fallback(name):
+        def run():
+            fallbacks.append(name)
+            ran.set()
+        return run
+
+    try:
+        request = WakeRequest(group="g", round=5)
+        sender.send([f"127.0.0.1:{port}"], request, on_failed=fallback("arrived"))
+        sender.send([f"127.0.0.1:{port}", "127.0.0.1:1", "127.0.0.1:2"], request, on_failed=fallback("missed"))
+        wait_until(lambda: sender.sent + sender.failed == 4 and ran.is_set(), WAIT_S, "the four posts' outcomes")
+        assert sender.sent == 2 and sender.failed == 2
+        assert fallbacks == ["missed"]  # once, though two peers were missed; none for the post that arrived
     finally:
         sender.close()
         channels.close()

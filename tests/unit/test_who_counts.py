@@ -26,7 +26,7 @@ from lowcomm.config import RunConfig
 from lowcomm.models.factory import build_model
 from lowcomm.runtime.coordinator import Coordinator
 from lowcomm.runtime.progress import Progress
-from lowcomm.runtime.round_anchor import Anchor, RoundFollower, publish_anchor
+from lowcomm.runtime.round_anchor import Anchor, RoundFollower, publish_anchor, read_anchor
 from lowcomm.runtime.state_sync import StateSync
 from lowcomm.runtime.state_transfer import encode_state, state_phi_hash
 from lowcomm.transport.control import PeerRecord
@@ -232,6 +232,25 @@ def test_the_follower_anchors_the_members_hash_whatever_outsiders_publish():
     assert [(a.round, a.phi_hash, a.members) for a in anchors] == [(1, "honest-1", tuple(ids)),
                                                                    (2, "honest-2", tuple(ids))]
     assert follower.agreement.refused_writers == 1  # the outsider's manifest of round 1
+
+
+def test_the_follower_stores_anchors_only_while_a_peer_is_joining():
+    store = {}
+    ids = ["a", "b"]
+    live = {p: PeerRecord(p, f"{p}:1", state="training", round=7) for p in ids}
+    coordinator = MemoryControl("coord", store, live)
+    follower = RoundFollower(coordinator, ManifestAgreement(coordinator, SYNC, ""), "0-0", settle_s=5.0, ttl=60)
+    manifest = Manifest("run", "0-0", 0, 1, "a", ids, {p: f"{p}:1" for p in ids}, ids, "fp32").to_dict()
+    for round_ in range(7):
+        MemoryControl("a", store, live).publish_manifest("0-0", round_, {**manifest, "round": round_}, 60)
+    for round_ in range(1, 7):
+        for peer in ids:
+            MemoryControl(peer, store, live).publish_phi_hash("0-0", round_, f"h{round_}", 60)
+    assert [a.round for a in follower.tick(7, set(ids), joiners=False)] == [1, 2, 3, 4, 5, 6]
+    assert not any(key[0] == "anchor" for key in store)  # held for the coordinator's own checks only
+    follower.tick(7, set(ids), joiners=True)  # a joiner appeared: the newest ones go to the DHT
+    stored = sorted(key[2] for key in store if key[0] == "anchor")
+    assert stored == [3, 4, 5, 6] and read_anchor(coordinator, "coord", "0-0", 6).phi_hash == "h6"
 
 
 # ---- downloaded state --------------------------------------------------------------------------
