@@ -4,8 +4,9 @@
 The posts are read at every look; the DHT when a look asks for it (``fresh``: before a round goes
 on without a peer, before this peer writes a manifest, a second look at racing manifests, a reader
 outside the round) and otherwise
-once per `Wakes.dht_poll_s`, which also bounds how old the cached live peer records get. Without
-posts every look reads the DHT.
+once per `Wakes.dht_poll_s`. The cached live peer records are read again once older than that, and with
+posts once older than ``records_s`` (half a record's lifetime, as often as a quiet peer stores its
+record: the posts say who reached a round, Decision 34). Without posts every look reads the DHT.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from lowcomm.transport.wakeups import Wakes
 
 
 class RoundReads:
-    def __init__(self, control: ControlPlane, wakes: Wakes):
+    def __init__(self, control: ControlPlane, wakes: Wakes, records_s: float = 0.0):
         self.control, self.wakes = control, wakes
+        self.records_s = records_s if wakes.posting else 0.0
         self._records: tuple[float, dict[str, PeerRecord]] = (float("-inf"), {})  # (read at, live records)
 
     def announcers(self, group: str, round_: int, fresh: bool = False) -> dict[str, dict]:
@@ -53,6 +55,6 @@ class RoundReads:
         """The live peer records, read again once older than a poll (a round's looks share one read);
         ``cached``: the last ones read, whatever their age (read now only if none were)."""
         age = time.monotonic() - self._records[0]
-        if age >= max(self.wakes.poll_s, self.wakes.dht_poll_s) and not (cached and age < float("inf")):
+        if age >= max(self.wakes.poll_s, self.wakes.dht_poll_s, self.records_s) and not (cached and age < float("inf")):
             self._records = (time.monotonic(), self.control.live_peers())
         return self._records[1]

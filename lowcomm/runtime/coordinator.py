@@ -166,9 +166,9 @@ class Coordinator:
                     refresh_at = time.monotonic() + 60
                 self._follow_rounds()  # often: a joiner waits for the anchor of the round it downloads
                 self._maybe_checkpoint()
-                if time.monotonic() >= beat_at:  # a record that seldom changes: refreshed at a third of its life
+                if time.monotonic() >= beat_at:  # a record that seldom changes: refreshed at half its life
                     self.control.publish_peer(self.record, self.config.sync.record_ttl_s)
-                    beat_at = time.monotonic() + self.config.sync.record_ttl_s / 3
+                    beat_at = time.monotonic() + self.config.sync.record_ttl_s / 2
             except Exception as e:  # keep serving; a failed checkpoint is retried next time
                 logger.warning("coordinator loop: %s", e)
         self.shutdown()
@@ -178,7 +178,8 @@ class Coordinator:
             self.follower = self._follower(self.config.run.name, self._first_round)
         if self.follower is None:
             return
-        if time.monotonic() - self._records[0] >= self.config.sync.heartbeat_s:  # as fresh as a heartbeat
+        sync = self.config.sync  # as fresh as a quiet peer's record (a joiner waits for an anchor longer)
+        if time.monotonic() - self._records[0] >= max(sync.heartbeat_s, sync.record_ttl_s / 2):
             self._records = (time.monotonic(), self.control.live_peers())
         training = [r for r in self._records[1].values() if r.state == "training" and self.admission.admits(r.peer_id)]
         joiners = any(r.state == "joining" for r in self._records[1].values())  # anchors go to the DHT for them
