@@ -5,8 +5,8 @@ The posts are read at every look; the DHT when a look asks for it (``fresh``: be
 on without a peer, before this peer writes a manifest, a second look at racing manifests, a reader
 outside the round) and otherwise
 once per `Wakes.dht_poll_s`. The cached live peer records are read again once older than that, and with
-posts once older than ``records_s`` (half a record's lifetime, as often as a quiet peer stores its
-record: the posts say who reached a round, Decision 34). Without posts every look reads the DHT.
+posts once older than ``records_s`` (a record's lifetime: the posts say who reached a round, Decision
+34). Without posts every look reads the DHT.
 """
 
 from __future__ import annotations
@@ -51,10 +51,12 @@ class RoundReads:
             return {**posted, **self.control.phi_hashes(group, round_)}
         return posted
 
-    def live(self, cached: bool = False) -> dict[str, PeerRecord]:
-        """The live peer records, read again once older than a poll (a round's looks share one read);
-        ``cached``: the last ones read, whatever their age (read now only if none were)."""
+    def live(self, cached: bool = False, fresh: bool = False) -> dict[str, PeerRecord]:
+        """The live peer records, read again once older than ``records_s`` (a round's looks share one read);
+        ``cached``: the last ones read, whatever their age (read now only if none were); ``fresh``: read
+        again once older than a poll (a quorum's count, which waits for a killed member's record to expire)."""
         age = time.monotonic() - self._records[0]
-        if age >= max(self.wakes.poll_s, self.wakes.dht_poll_s, self.records_s) and not (cached and age < float("inf")):
+        poll = max(self.wakes.poll_s, self.wakes.dht_poll_s)
+        if age >= (poll if fresh else max(poll, self.records_s)) and not (cached and age < float("inf")):
             self._records = (time.monotonic(), self.control.live_peers())
         return self._records[1]

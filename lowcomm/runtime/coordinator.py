@@ -139,7 +139,8 @@ class Coordinator:
         sync = self.config.sync
         agreement = ManifestAgreement(self.control, sync, endpoint="", admits=self.admission.admits,
                                       on_event=lambda kind, **fields: logger.info("%s %s", kind, fields),
-                                      wakes=Wakes(None, None, FOLLOW_S, posts=self.service.posts))
+                                      wakes=Wakes(None, None, FOLLOW_S, posts=self.service.posts,
+                                                  dht_poll_s=sync.record_ttl_s))  # a lost post: read late
         return RoundFollower(self.control, agreement, GroupKey(run).group, settle_s=sync.announce_s,
                              ttl=sync.record_ttl_s * 6, vote_every=algo.epoch_rounds(self.config), start=start)
 
