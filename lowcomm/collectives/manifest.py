@@ -161,7 +161,7 @@ class ManifestAgreement:
                      and ((rec.state in ("training", "joining") and self.due_in_group(group, rec))
                           or rec.state in ("coordinator", "holder"))]
         endpoints += [e for p, e in self._endpoints.get(group, {}).items() if p != self.me]
-        anchored = any(rec.state == "coordinator" for rec in records.values())
+        anchored = any(rec.state in ("coordinator", "holder") for rec in records.values())
         self.wakes.publish(endpoints if self.wakes.posting else [], VOTE, group, round_,
                            self.control.record({"hash": phi_hash}), posted_only=anchored,
                            store=lambda: self.control.publish_phi_hash(group, round_, phi_hash, ttl))

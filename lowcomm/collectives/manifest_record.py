@@ -65,7 +65,7 @@ def bounded_fan_in(run: str, group: str, round_: int, members: list[str], limit:
 
 
 def first_valid(manifests: dict[str, dict], group: str, round_: int,
-                 order: list[str] | None = None) -> Manifest | None:
+                order: list[str] | None = None) -> Manifest | None:
     """The first well-formed manifest for (group, round_) in the writers' ``order`` (default: by id)."""
     for writer in (sorted(manifests or {}) if order is None else order):
         try:

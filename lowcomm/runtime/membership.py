@@ -13,8 +13,8 @@ they are, what they do and whether they are past the run's first round) a heartb
 only when a field others act on changed (`acted_on`) or half its lifetime passed since it was last
 stored; the round it holds and the status pages' numbers are then up to that old. A round's agreement
 learns who reached it from the posted announcements (Decision 34), so a record need not be stored
-at every round: a due peer's record may only say an older round, and that makes it due all the same. Stage peers (quiet off) store every heartbeat: their routes weigh the
-throughput and count the steps.
+at every round: a due peer's record may say an older round, and that keeps it due all the same.
+Stage peers (quiet off) store every heartbeat: their routes weigh the throughput and count the steps.
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ class RoundFollower:
         self.next_manifest = start  # the next round whose manifest to read
         self.next_vote = start + 1  # the next round to settle
         self.anchors: dict[int, Anchor] = {}
-        self._stored: set[int] = set()  # rounds whose anchor is in the DHT
+        self._stored: dict[int, float] = {}  # round -> when its anchor was stored in the DHT
         self._first_seen: dict[int, float] = {}
 
     def tick(self, newest: int, training: set[str] = frozenset(), joiners: bool = True) -> list[Anchor]:
@@ -106,9 +106,9 @@ class RoundFollower:
         settled = self._settle(newest, set(training))
         if joiners:
             for round_ in sorted(self.anchors)[-RECENT_ANCHORS:]:
-                if round_ not in self._stored:
+                if time.monotonic() - self._stored.get(round_, float("-inf")) >= self.ttl / 2:  # none, or expiring
                     publish_anchor(self.control, self.group, self.anchors[round_], self.ttl)
-                    self._stored.add(round_)
+                    self._stored[round_] = time.monotonic()
         return settled
 
     def _walk(self, newest: int) -> None:
@@ -147,5 +147,5 @@ class RoundFollower:
                 settled.append(anchor)
         for old in sorted(self.anchors)[:-KEPT_ANCHORS]:
             del self.anchors[old]
-            self._stored.discard(old)
+            self._stored.pop(old, None)
         return settled

@@ -10,6 +10,7 @@ process over an in-memory control plane; the reduce runs over real gRPC on loopb
 from __future__ import annotations
 
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -26,6 +27,7 @@ from lowcomm.config import RunConfig
 from lowcomm.models.factory import build_model
 from lowcomm.runtime.coordinator import Coordinator
 from lowcomm.runtime.progress import Progress
+from lowcomm.runtime import round_anchor
 from lowcomm.runtime.round_anchor import Anchor, RoundFollower, publish_anchor, read_anchor
 from lowcomm.runtime.state_sync import StateSync
 from lowcomm.runtime.state_transfer import encode_state, state_phi_hash
@@ -234,7 +236,7 @@ def test_the_follower_anchors_the_members_hash_whatever_outsiders_publish():
     assert follower.agreement.refused_writers == 1  # the outsider's manifest of round 1
 
 
-def test_the_follower_stores_anchors_only_while_a_peer_is_joining():
+def test_the_follower_stores_anchors_only_while_a_peer_is_joining(monkeypatch):
     store = {}
     ids = ["a", "b"]
     live = {p: PeerRecord(p, f"{p}:1", state="training", round=7) for p in ids}
@@ -251,6 +253,13 @@ def test_the_follower_stores_anchors_only_while_a_peer_is_joining():
     follower.tick(7, set(ids), joiners=True)  # a joiner appeared: the newest ones go to the DHT
     stored = sorted(key[2] for key in store if key[0] == "anchor")
     assert stored == [3, 4, 5, 6] and read_anchor(coordinator, "coord", "0-0", 6).phi_hash == "h6"
+    del store[("anchor", "0-0", 6)]  # as if it expired: stored again once half its lifetime passed
+    follower.tick(7, set(ids), joiners=True)
+    assert ("anchor", "0-0", 6) not in store
+    later = time.monotonic() + follower.ttl / 2
+    monkeypatch.setattr(round_anchor.time, "monotonic", lambda: later)
+    follower.tick(7, set(ids), joiners=True)
+    assert read_anchor(coordinator, "coord", "0-0", 6).phi_hash == "h6"
 
 
 # ---- downloaded state --------------------------------------------------------------------------
