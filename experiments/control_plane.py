@@ -3,7 +3,7 @@
     sudo python experiments/control_plane.py [--revisions polling=42d939f wakes=HEAD replica-reads=5840d0c]
         [--algos diloco sparseloco] [--peers 4] [--steps 300] [--link 20mbit] [--seed 0] [--reps 1]
         [--worktrees /tmp/lowcomm-control-plane] [--keep-worktrees] [--out experiments/out/control_plane]
-        [--timeout-s 900] [--table-only]
+        [--timeout-s 900] [--table-only] [--settings NAME:SECTION.KEY=VALUE ...]
 
 The revisions: ``polling`` (42d939f) polls the DHT every 50 ms while a round is agreed, each read
 merged from every DHT node (hivemind's latest=True), and the coordinator checkpoints every 5 rounds;
@@ -20,6 +20,9 @@ DHT's (control) and the checkpoint downloads' shares of them, the DHT's bytes pe
 of the run (startup included), the peers' mean `manifest_s` per round (announcement to manifest,
 waiting for slower peers included), the DHT calls by kind (revisions that count them), the final
 held-out loss. Repetitions alternate the order of the revisions.
+
+``--settings ttl30:sync.record_ttl_s=30`` runs the revision named ttl30 with that config value (a TOML
+file given to `simulate --config`), so one commit can be measured under other settings.
 
 A row whose JSON exists under --out is skipped (resumable per row); OUT/table.md is rewritten after
 every row, listing the rows still missing; the runs go to OUT/runs/ (not in git).
@@ -52,6 +55,27 @@ def parse_revisions(items: list[str]) -> dict[str, str]:
     return out
 
 
+def parse_settings(items: list[str]) -> dict[str, dict[str, str]]:
+    """NAME:SECTION.KEY=VALUE items -> {NAME: {"SECTION.KEY": "VALUE"}}."""
+    out: dict[str, dict[str, str]] = {}
+    for item in items:
+        name, sep, setting = item.partition(":")
+        key, eq, value = setting.partition("=")
+        if not sep or not eq or "." not in key:
+            raise SystemExit(f"--settings takes NAME:SECTION.KEY=VALUE, e.g. ttl30:sync.record_ttl_s=30 (got {item!r})")
+        out.setdefault(name, {})[key] = value
+    return out
+
+
+def settings_toml(settings: dict[str, str]) -> str:
+    """A run config overlay of these SECTION.KEY values (TOML literals: numbers, true/false, quoted strings)."""
+    sections: dict[str, list[str]] = {}
+    for key, value in settings.items():
+        section, name = key.split(".", 1)
+        sections.setdefault(section, []).append(f"{name} = {value}")
+    return "".join(f"[{section}]\n" + "\n".join(lines) + "\n" for section, lines in sections.items())
+
+
 def row_name(algo: str, name: str, rep: int, args) -> str:
     return f"{algo}-{name}-rep{rep}-p{args.peers}-{args.steps}-{args.link}-s{args.seed}"
 
@@ -72,6 +96,10 @@ def run_row(algo: str, name: str, rep: int, tree: Path, args) -> dict:
     cmd = [sys.executable, "-m", "lowcomm.cli", "simulate", "--netns", "--link", args.link, "--algo", algo,
            "--peers", str(args.peers), "--steps", str(args.steps), "--seed", str(args.seed),
            "--report", str(report_path), "--run-dir", str(run_dir / "run")]
+    if args.settings.get(name):
+        config = run_dir / "settings.toml"
+        config.write_text(settings_toml(args.settings[name]))
+        cmd += ["--config", str(config)]
     t0 = time.time()
     rc = run_simulate(cmd, tree, run_dir / "simulate.log", args.timeout_s, env=tree_env(tree))
     out = {"row": row, "algo": algo, "revision": name, "rev": args.revisions[name], "commit": tree_commit(tree),
@@ -147,8 +175,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "experiments" / "out" / "control_plane")
     ap.add_argument("--timeout-s", type=float, default=900.0)
     ap.add_argument("--table-only", action="store_true")
+    ap.add_argument("--settings", nargs="*", default=[], help="NAME:SECTION.KEY=VALUE: a config value for that revision")
     args = ap.parse_args()
     args.revisions = parse_revisions(args.revisions)
+    args.settings = parse_settings(args.settings)
     args.out.mkdir(parents=True, exist_ok=True)
     planned = planned_rows(args)
     if args.table_only:
