@@ -183,7 +183,7 @@ class Coordinator:
         if time.monotonic() - self._records[0] >= max(sync.heartbeat_s, sync.record_ttl_s / 2):
             self._records = (time.monotonic(), self.control.live_peers())
         training = [r for r in self._records[1].values() if r.state == "training" and self.admission.admits(r.peer_id)]
-        joiners = any(r.state == "joining" for r in self._records[1].values())  # anchors go to the DHT for them
+        joiners = any(r.state == "joining" for r in self._records[1].values())  # their anchors are kept in the DHT
         for anchor in self.follower.tick(max((r.round for r in training), default=0), {r.peer_id for r in training},
                                          joiners):
             logger.info("round %d: agreed φ hash %s of %d members", anchor.round, anchor.phi_hash, len(anchor.members))

@@ -11,9 +11,9 @@ cannot move it.
   follows the manifests as every peer does (collectives.manifest: each counts only from a member
   of the previous one) and, once the members of the manifest covering round R − 1 voted (or
   `settle_s` passed), signs {R, the agreed hash of those members' votes, those members} under
-  `<run>.anchor.<group>.<R>` (`RoundFollower`) while a peer is joining (Decision 34). The votes
-  count as complete once every one of those members that is still training voted, or one hash holds
-  more than half of them.
+  `<run>.anchor.<group>.<R>` (`RoundFollower`), and stores the newest again while a peer is joining
+  once half their life passed. The votes count as complete once every one of those members that is
+  still training voted, or one hash holds more than half of them.
 - With no coordinator in the run, a joiner falls back to the majority of every vote published for
   the round (`agreed_hash` over all of them): that fallback is not defended against sybils.
 """
@@ -31,7 +31,7 @@ from lowcomm.transport.control import ControlPlane
 logger = logging.getLogger(__name__)
 WALK_BUDGET = 64  # manifests the follower reads per tick at most
 KEPT_ANCHORS = 256  # the newest anchors the coordinator keeps in memory
-RECENT_ANCHORS = 4  # the newest anchors stored once a joiner appears (a download takes the newest round's state)
+RECENT_ANCHORS = 4  # the newest anchors kept in the DHT while a peer joins (a download takes the newest round's state)
 
 
 @dataclass(frozen=True)
@@ -97,18 +97,18 @@ class RoundFollower:
         self._stored: dict[int, float] = {}  # round -> when its anchor was stored in the DHT
         self._first_seen: dict[int, float] = {}
 
-    def tick(self, newest: int, training: set[str] = frozenset(), joiners: bool = True) -> list[Anchor]:
-        """``training``: the ids of the live records in state training (the votes that may still come);
-        ``joiners``: whether a peer may be downloading the state (a live record is joining). Only then are
-        anchors stored in the DHT: the newest RECENT_ANCHORS not stored yet, and each new one while it lasts
-        (Decision 34); the coordinator's own checks use the ones it holds."""
+    def tick(self, newest: int, training: set[str] = frozenset(), joiners: bool = False) -> list[Anchor]:
+        """``training``: the ids of the live records in state training (the votes that may still come).
+        Each anchor is stored in the DHT once settled; ``joiners`` (a live record is joining: a peer may be
+        downloading the state): the newest RECENT_ANCHORS are stored again once half their life passed, so
+        that a round longer than an anchor's life still has one."""
         self._walk(newest)
         settled = self._settle(newest, set(training))
-        if joiners:
-            for round_ in sorted(self.anchors)[-RECENT_ANCHORS:]:
-                if time.monotonic() - self._stored.get(round_, float("-inf")) >= self.ttl / 2:  # none, or expiring
-                    publish_anchor(self.control, self.group, self.anchors[round_], self.ttl)
-                    self._stored[round_] = time.monotonic()
+        recent = sorted(self.anchors)[-RECENT_ANCHORS:] if joiners else []
+        for round_ in [a.round for a in settled] + recent:
+            if time.monotonic() - self._stored.get(round_, float("-inf")) >= self.ttl / 2:  # none, or expiring
+                publish_anchor(self.control, self.group, self.anchors[round_], self.ttl)
+                self._stored[round_] = time.monotonic()
         return settled
 
     def _walk(self, newest: int) -> None:

@@ -236,7 +236,7 @@ def test_the_follower_anchors_the_members_hash_whatever_outsiders_publish():
     assert follower.agreement.refused_writers == 1  # the outsider's manifest of round 1
 
 
-def test_the_follower_stores_anchors_only_while_a_peer_is_joining(monkeypatch):
+def test_the_follower_stores_each_anchor_and_the_newest_again_while_a_peer_joins(monkeypatch):
     store = {}
     ids = ["a", "b"]
     live = {p: PeerRecord(p, f"{p}:1", state="training", round=7) for p in ids}
@@ -248,16 +248,15 @@ def test_the_follower_stores_anchors_only_while_a_peer_is_joining(monkeypatch):
     for round_ in range(1, 7):
         for peer in ids:
             MemoryControl(peer, store, live).publish_phi_hash("0-0", round_, f"h{round_}", 60)
-    assert [a.round for a in follower.tick(7, set(ids), joiners=False)] == [1, 2, 3, 4, 5, 6]
-    assert not any(key[0] == "anchor" for key in store)  # held for the coordinator's own checks only
-    follower.tick(7, set(ids), joiners=True)  # a joiner appeared: the newest ones go to the DHT
-    stored = sorted(key[2] for key in store if key[0] == "anchor")
-    assert stored == [3, 4, 5, 6] and read_anchor(coordinator, "coord", "0-0", 6).phi_hash == "h6"
-    del store[("anchor", "0-0", 6)]  # as if it expired: stored again once half its lifetime passed
+    assert [a.round for a in follower.tick(7, set(ids))] == [1, 2, 3, 4, 5, 6]
+    assert sorted(key[2] for key in store if key[0] == "anchor") == [1, 2, 3, 4, 5, 6]  # each once settled
+    del store[("anchor", "0-0", 6)]  # as if it expired: stored again for a joiner once half its life passed
     follower.tick(7, set(ids), joiners=True)
     assert ("anchor", "0-0", 6) not in store
     later = time.monotonic() + follower.ttl / 2
     monkeypatch.setattr(round_anchor.time, "monotonic", lambda: later)
+    follower.tick(7, set(ids), joiners=False)  # nobody joining: nothing stored again
+    assert ("anchor", "0-0", 6) not in store
     follower.tick(7, set(ids), joiners=True)
     assert read_anchor(coordinator, "coord", "0-0", 6).phi_hash == "h6"
 
