@@ -76,7 +76,7 @@ class ManifestAgreement:
         # state and round then): not waited for while it stays silent (_silent)
         self._endpoints: dict[str, dict[str, str]] = {}  # group -> the newest followed manifest's endpoints
         self.refused_writers = 0
-        self.reads = RoundReads(control, self.wakes, sync.record_ttl_s)  # the round's records: posted, and the DHT's
+        self.reads = RoundReads(control, self.wakes)  # the round's records: posted, and the DHT's
 
     # ---- which writers count --------------------------------------------------------------------
 
@@ -265,10 +265,7 @@ class ManifestAgreement:
         previous = self.trusted(group, round_)
         if not self.quorum or previous is None:
             return None
-        reason = self._short(previous, members, self.reads.live())
-        return reason and self._short(previous, members, self.reads.live(fresh=True))  # short: as the DHT says now
-
-    def _short(self, previous: frozenset[str], members, records: dict) -> str | None:
+        records = self.reads.live()
         if self._solo_after_others(previous, members, records):
             return "this peer alone reached the round, and the previous round had other members"
         live = {p for p, rec in records.items() if rec.state == "training"} | {self.me}

@@ -170,22 +170,3 @@ def test_a_reached_round_is_announced_by_post_and_stored_only_where_a_post_canno
     agreement.withdraw("0-0", 8)  # a withdrawal is always stored
     assert set(store[("announce", "0-0", 8)]) == {me}
 
-
-def test_the_live_records_are_read_again_once_a_peer_they_do_not_hold_posts_an_announcement():
-    signer = Signer.generate()
-    live = {"b": PeerRecord("b", "b:1", state="training", round=5)}
-    posts = RoundPosts("run")
-    control = CountedControl(signer.peer_id, {}, live)
-    agreement = ManifestAgreement(control, SyncConfig(record_ttl_s=NEVER_S), "me:1",
-                                  wakes=Wakes(Wakeups(), PostRecorder(), 0.0, posts=posts, signer=signer, dht_poll_s=0.0))
-    agreement.reads.live()
-    agreement.reads.announcers("0-0", 5)
-    agreement.reads.live()  # within a record's life: the records read are shared
-    assert control.reads["peers"] == 1
-    live["joiner"] = PeerRecord("joiner", "joiner:1", state="joining", round=5)
-    posts.add("announce", "0-0", 5, "joiner", {"peer_id": "joiner", "endpoint": "joiner:1"})  # its post came
-    agreement.reads.announcers("0-0", 5)
-    assert "joiner" in agreement.reads.live() and control.reads["peers"] == 2  # now due, and posted to
-    agreement.reads.announcers("0-0", 5)
-    agreement.reads.live()
-    assert control.reads["peers"] == 2
