@@ -22,11 +22,12 @@ from lowcomm.transport.netns import lab_objects, unavailable_reason
 REPO = Path(__file__).resolve().parents[2]
 H, ROUNDS = 5, 3
 # The control plane's budget per DHT node and second of the lab's life (start-up included): a record's
-# refresh at half its life, a read of the live records per record's life, the leader's manifest, start-up's
-# looks and hivemind's upkeep; a round's announcements and φ votes are posted, not stored (Decision 34).
-# This run measured 3.0 KB/s per node (9.2-9.4 with every round record stored, 13.7 with the 50 ms poll);
-# the bound, twice that, catches a regression to storing the round's records or to a tight poll loop. The
-# agreement's own reads per round are bounded in tests/unit/test_agreement_wakes.py.
+# store on each round and at half its life, the reads of the live records, the leader's manifest, the
+# coordinator's anchors, start-up's looks and hivemind's upkeep; a round's announcements and φ votes are
+# posted, not stored (Decision 34; the count below). This run measured 3.2 KB/s per node; the bound,
+# about twice that, catches a regression to a tight poll loop (13.7 KB/s with the 50 ms poll) or to
+# hivemind's cache refreshes. The agreement's own reads per round are bounded in
+# tests/unit/test_agreement_wakes.py.
 CONTROL_BYTES_PER_NODE_S = 6_000
 TEARDOWN_S = 30.0  # the lab counts until its nodes stop, after the last step
 # tests/integration/test_integration.py's small_config, as a file for the command line
