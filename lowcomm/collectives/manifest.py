@@ -154,16 +154,15 @@ class ManifestAgreement:
     def publish_vote(self, group: str, round_: int, phi_hash: str, ttl: float) -> None:
         """This peer's φ hash of a round it applied: posted to the members of the last manifest it followed
         and the peers due in the group (their drift checks) and the coordinator (its anchors), as known from
-        the last read of the live records. It is stored for anyone else (a download's check) only while no
-        coordinator is in the run (with one, a joiner checks against its anchor) or if a post did not arrive."""
+        the last read of the live records, and stored for anyone else (a download's check, a joiner's drift
+        check: a peer that joined since that read gets no post)."""
         records = self.reads.live(cached=True)
         endpoints = [rec.endpoint for p, rec in records.items() if p != self.me and self.admits(p)
                      and ((rec.state in ("training", "joining") and self.due_in_group(group, rec))
                           or rec.state in ("coordinator", "holder"))]
         endpoints += [e for p, e in self._endpoints.get(group, {}).items() if p != self.me]
-        anchored = any(rec.state in ("coordinator", "holder") for rec in records.values())
         self.wakes.publish(endpoints if self.wakes.posting else [], VOTE, group, round_,
-                           self.control.record({"hash": phi_hash}), posted_only=anchored,
+                           self.control.record({"hash": phi_hash}),
                            store=lambda: self.control.publish_phi_hash(group, round_, phi_hash, ttl))
 
     def votes(self, group: str, round_: int, voters=frozenset(), fresh: bool = False) -> dict[str, str]:
