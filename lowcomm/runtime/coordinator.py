@@ -179,7 +179,7 @@ class Coordinator:
             self.follower = self._follower(self.config.run.name, self._first_round)
         if self.follower is None:
             return
-        sync = self.config.sync  # as fresh as a quiet peer's record (a joiner waits for an anchor longer)
+        sync = self.config.sync  # as often as a quiet peer refreshes its record
         if time.monotonic() - self._records[0] >= max(sync.heartbeat_s, sync.record_ttl_s / 2):
             self._records = (time.monotonic(), self.control.live_peers())
         training = [r for r in self._records[1].values() if r.state == "training" and self.admission.admits(r.peer_id)]
