@@ -62,8 +62,8 @@ POLL_S = 0.1
 
 class _FetchRound:
     """The round in flight when this replica entered: its aggregate, fetched from the round's members
-    in the background from the moment it entered (they keep a round's shards only while they run the
-    next two: reduce_owner.KEEP_ROUNDS), not only once the first sync waits for it."""
+    in the background from the moment it entered (they keep a round's shards for a bounded while:
+    reduce_owner.KEEP_ROUNDS, HOLD_S), not only once the first sync waits for it."""
 
     def __init__(self, round_: int, manifest, fetch: Callable[[int, object], RoundResult]):
         self.round = round_

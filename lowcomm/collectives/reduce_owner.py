@@ -32,8 +32,10 @@ from lowcomm.collectives.base import CollectiveError
 from lowcomm.compress import CodecError, get_codec
 
 logger = logging.getLogger(__name__)
-KEEP_ROUNDS = 2
-EXPIRED = "round forgotten here"  # held(): a round more than KEEP_ROUNDS below the newest
+KEEP_ROUNDS = 2  # a round's slot and shards live while this peer runs the next KEEP_ROUNDS rounds
+HOLD_S = 30.0  # its shards live on this long after they landed: a joiner catches up at its own pace
+MAX_HELD_ROUNDS = 8  # but never more rounds back than this (memory, where rounds take a second)
+EXPIRED = "round forgotten here"  # held(): a round more than KEEP_ROUNDS below the newest, not held
 AHEAD_ROUNDS = 2  # a part may name a round this far past the owner's newest slot (the overlap's reach)
 MAX_WEIGHT = 1e12  # hard bound on a contribution's weight (tokens), whatever the round's own bound
 WAIT_SLICE_S = 1.0  # a waiting server thread looks at its call's state at least this often
@@ -121,6 +123,7 @@ class OwnerSlots:
     def __init__(self):
         self._slots: dict[tuple[str, int], Slot] = {}
         self._held: dict[tuple[str, int, int], tuple[bytes, list[str], bytes]] = {}  # ... and its manifest
+        self._held_t: dict[tuple[str, int, int], float] = {}  # when each landed (time.monotonic())
         self._newest: dict[str, int] = {}
         self._cond = threading.Condition()
         self.rejected = 0
@@ -183,6 +186,7 @@ class OwnerSlots:
         digest of the manifest it was reduced under."""
         with self._cond:
             self._held[(group, round_, shard)] = (blob, list(contributors), manifest)
+            self._held_t[(group, round_, shard)] = time.monotonic()
             self._cond.notify_all()
 
     def held(self, group: str, round_: int, shard: int, timeout: float, manifest: bytes,
@@ -207,8 +211,10 @@ class OwnerSlots:
         floor = self._newest[group] - KEEP_ROUNDS
         for key in [k for k in self._slots if k[0] == group and k[1] < floor]:
             del self._slots[key]
+        now, oldest = time.monotonic(), self._newest[group] - MAX_HELD_ROUNDS
         for key in [k for k in self._held if k[0] == group and k[1] < floor]:
-            del self._held[key]
+            if key[1] < oldest or now - self._held_t[key] > HOLD_S:
+                del self._held[key], self._held_t[key]
 
 
 def decode_contribution(blob: bytes, codec_name: str, numel: int) -> torch.Tensor:

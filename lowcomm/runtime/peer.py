@@ -169,6 +169,19 @@ class TrainingPeer:
 
     def _train(self) -> None:
         total, p, r, log = self.config.run.steps, self.progress, self.replica, self.ctx.log
+        try:
+            self._steps(total)
+        except DHTUnreachable:
+            if self.ctx.stop_signal is None:
+                raise
+            # a stop signal to the whole group ends the DHT's process first: the training stops there
+        if not self.ctx.stop.is_set():
+            self._finish()
+        log.event("done" if p.step >= total else "stopped", round=r.round, step=p.step)
+
+    def _steps(self, total: int) -> None:
+        """Inner steps and their syncs until ``total`` or a stop."""
+        p, r, log = self.progress, self.replica, self.ctx.log
         first_step_t = None
         while p.step < total and not self.ctx.stop.is_set():
             first_step_t = first_step_t or time.time()
@@ -192,9 +205,6 @@ class TrainingPeer:
                           tokens=p.steps_done * self.trainer.tokens_per_step, first_step_t=first_step_t,
                           last_step_t=time.time(), bytes_sent=self.ctx.traffic.sent, loss=self._train_loss,
                           checkpoint_bytes=self.ctx.traffic.checkpoint_sent)
-        if not self.ctx.stop.is_set():
-            self._finish()
-        log.event("done" if p.step >= total else "stopped", round=r.round, step=p.step)
 
     def _read_slowdown(self) -> None:
         """Emulation: the factor in --slowdown-file once it exists (simulate's churn makes a peer slower)."""

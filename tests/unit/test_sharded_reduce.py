@@ -16,7 +16,7 @@ import torch
 
 from lowcomm.algorithms import sparseloco
 from lowcomm.algorithms.sparseloco import SparseLoCoConfig, SparseLoCoState, compress_all
-from lowcomm.collectives import shard_fetch
+from lowcomm.collectives import reduce_owner, shard_fetch
 from lowcomm.collectives.base import CollectiveError, GroupKey, NotInRound
 from lowcomm.collectives.combiners import SparseBundle
 from lowcomm.collectives.config import SyncConfig
@@ -215,9 +215,11 @@ def test_a_late_peer_catches_up_on_the_bytes_the_members_applied(nodes):
     assert torch.equal(caught.aggregate, results[0].aggregate)
 
 
-def test_catching_up_a_round_every_member_forgot_fails_at_once(nodes):
-    """The members keep a round's shards while they run the next two (reduce_owner.KEEP_ROUNDS); a peer
-    that asks later hears EXPIRED from each of them and gives up without waiting for its deadline."""
+def test_catching_up_a_round_every_member_forgot_fails_at_once(nodes, monkeypatch):
+    """The members keep a round's shards while they run the next two (reduce_owner.KEEP_ROUNDS) or for
+    HOLD_S after it landed; a peer that asks later hears EXPIRED from each of them and gives up without
+    waiting for its deadline."""
+    monkeypatch.setattr(reduce_owner, "HOLD_S", 0.0)
     members, late = nodes[:3], nodes[3]
     board = Board(KEY.run, {n.id for n in members})
     reduces = [n.reduce(board) for n in members]
@@ -228,6 +230,25 @@ def test_catching_up_a_round_every_member_forgot_fails_at_once(nodes):
         latecomer.catch_up(KEY, 0, NUMEL, board.manifests[(KEY.group, 0)])
     caught = latecomer.catch_up(KEY, 3, NUMEL, board.manifests[(KEY.group, 3)])  # the newest round is held
     assert torch.equal(caught.aggregate, last[0].aggregate)
+
+
+def test_a_round_past_keep_rounds_is_caught_up_within_hold_s_up_to_max_held_rounds(nodes, monkeypatch):
+    """A joiner slower than the members catches up a round they ran past (it landed under HOLD_S ago),
+    but never one more than MAX_HELD_ROUNDS back: that one is EXPIRED at once."""
+    monkeypatch.setattr(reduce_owner, "MAX_HELD_ROUNDS", 4)
+    members, late = nodes[:3], nodes[3]
+    board = Board(KEY.run, {n.id for n in members})
+    reduces = [n.reduce(board) for n in members]
+    landed = {}
+    for round_ in range(6):
+        landed[round_] = [h.result(WAIT_S) for h in [r.start(KEY, round_, payload(i + round_), 1.0)
+                                                      for i, r in enumerate(reduces)]][0]
+    latecomer = late.reduce(board)
+    caught = latecomer.catch_up(KEY, 2, NUMEL, board.manifests[(KEY.group, 2)])  # 3 rounds back: held
+    assert torch.equal(caught.aggregate, landed[2].aggregate)
+    assert caught.contributors == landed[2].contributors
+    with pytest.raises(CollectiveError, match="every member forgot the round"):
+        latecomer.catch_up(KEY, 0, NUMEL, board.manifests[(KEY.group, 0)])  # 5 rounds back
 
 
 def test_a_catch_up_begun_while_the_round_reduces_returns_what_the_members_applied(nodes, monkeypatch):
