@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 KEEP_ROUNDS = 2  # a round's slot and shards live while this peer runs the next KEEP_ROUNDS rounds
 HOLD_S = 30.0  # its shards live on this long after they landed: a joiner catches up at its own pace
 MAX_HELD_ROUNDS = 8  # but never more rounds back than this (memory, where rounds take a second)
+HOLD_BYTES = 32 << 20  # nor more bytes past KEEP_ROUNDS than this: a large model's peak stays where it was
 EXPIRED = "round forgotten here"  # held(): a round more than KEEP_ROUNDS below the newest, not held
 AHEAD_ROUNDS = 2  # a part may name a round this far past the owner's newest slot (the overlap's reach)
 MAX_WEIGHT = 1e12  # hard bound on a contribution's weight (tokens), whatever the round's own bound
@@ -212,9 +213,17 @@ class OwnerSlots:
         for key in [k for k in self._slots if k[0] == group and k[1] < floor]:
             del self._slots[key]
         now, oldest = time.monotonic(), self._newest[group] - MAX_HELD_ROUNDS
-        for key in [k for k in self._held if k[0] == group and k[1] < floor]:
-            if key[1] < oldest or now - self._held_t[key] > HOLD_S:
+        past = sorted((k for k in self._held if k[0] == group and k[1] < floor), key=lambda k: -k[1])
+        budget = HOLD_BYTES
+        for key in past:  # newest first: the budget goes to the rounds a catch-up reaches soonest
+            budget -= _size(self._held[key][0])
+            if key[1] < oldest or now - self._held_t[key] > HOLD_S or budget < 0:
                 del self._held[key], self._held_t[key]
+
+
+def _size(blob) -> int:
+    """Bytes of a held reply: one blob, or a streamed shard's pieces (collectives.pieces.Pieces)."""
+    return sum(len(piece) for piece in blob) if isinstance(blob, tuple) else len(blob)
 
 
 def decode_contribution(blob: bytes, codec_name: str, numel: int) -> torch.Tensor:

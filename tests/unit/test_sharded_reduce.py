@@ -215,11 +215,12 @@ def test_a_late_peer_catches_up_on_the_bytes_the_members_applied(nodes):
     assert torch.equal(caught.aggregate, results[0].aggregate)
 
 
-def test_catching_up_a_round_every_member_forgot_fails_at_once(nodes, monkeypatch):
-    """The members keep a round's shards while they run the next two (reduce_owner.KEEP_ROUNDS) or for
-    HOLD_S after it landed; a peer that asks later hears EXPIRED from each of them and gives up without
-    waiting for its deadline."""
-    monkeypatch.setattr(reduce_owner, "HOLD_S", 0.0)
+@pytest.mark.parametrize("bound", ["HOLD_S", "HOLD_BYTES"])
+def test_catching_up_a_round_every_member_forgot_fails_at_once(nodes, monkeypatch, bound):
+    """The members keep a round's shards while they run the next two (reduce_owner.KEEP_ROUNDS), and
+    older ones only within HOLD_S after they landed and HOLD_BYTES; a peer that asks for a round past
+    either bound hears EXPIRED from each member and gives up without waiting for its deadline."""
+    monkeypatch.setattr(reduce_owner, bound, 0)
     members, late = nodes[:3], nodes[3]
     board = Board(KEY.run, {n.id for n in members})
     reduces = [n.reduce(board) for n in members]
