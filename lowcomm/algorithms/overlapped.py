@@ -63,7 +63,7 @@ POLL_S = 0.1
 class _FetchRound:
     """The round in flight when this replica entered: its aggregate, fetched from the round's members
     in the background from the moment it entered (they keep a round's shards for a bounded while:
-    reduce_owner.KEEP_ROUNDS, HOLD_S), not only once the first sync waits for it."""
+    held_shards.KEEP_ROUNDS, HOLD_S), not only once the first sync waits for it."""
 
     def __init__(self, round_: int, manifest, fetch: Callable[[int, object], RoundResult]):
         self.round = round_

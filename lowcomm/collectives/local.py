@@ -111,7 +111,7 @@ class LocalGroup:
                                     time.monotonic() + self.timeout_s)
                 self._rounds[(key, round_)] = state
                 for old in [k for k in self._rounds if k[0] == key and k[1] < round_ - KEEP_ROUNDS]:
-                    del self._rounds[old]  # the network keeps fewer (reduce_owner.KEEP_ROUNDS)
+                    del self._rounds[old]  # the network keeps fewer (held_shards.KEEP_ROUNDS)
             return state
 
     def _run(self, me: str, key: GroupKey, round_: int, payload, weight: float, before_send) -> RoundResult:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from lowcomm.collectives.base import CollectiveError
+from lowcomm.collectives.held_shards import Pieces
 from lowcomm.collectives.reduce_messages import KIND
 from lowcomm.collectives.reduce_owner import ContributionRejected, decode_contribution
 from lowcomm.proto import wire_pb2
@@ -31,10 +32,6 @@ from lowcomm.transport.wire import MAX_CHUNK_BYTES
 PIECE_KIND = "reduce-piece"  # what a piece's signature says it is
 MIN_PIECE_ELEMS = 1 << 14  # 64 KiB of float32: a piece's signature stays a small share of its bytes
 PIECE_SLACK_BYTES = 4 << 10  # a piece's codec frame beyond 4 bytes per element (header, zstd's worst case)
-
-
-class Pieces(tuple):
-    """A streamed shard's encoded pieces, in order: what an owner replies and a member holds."""
 
 
 class Superseded(CollectiveError):

@@ -7,8 +7,8 @@ behind are refused as stale; a second contribution from the same sender is refus
 t's reduce in the background while round t+1's starts, and either may open its slot first, so round
 t's parts wait for their slot even after round t+1's opened. The slot closes when every member has
 contributed or its deadline passes; the reduced shard is encoded once and the same bytes go to every
-caller, so every replica applies identical values. Every received shard (own or others') is kept for
-one round so holes can be filled. A slot aborted before it closes (`abort`: its group gave up, e.g. an
+caller, so every replica applies identical values. Every received shard (own or others') is kept
+(collectives.held_shards) so holes can be filled and a late member or a joiner can catch up. A slot aborted before it closes (`abort`: its group gave up, e.g. an
 in-process run whose peer failed) wakes its callers with a CollectiveError instead of a reply.
 
 Hostile parts are refused, never raised into the owner's own round: a remote part that claims the
@@ -29,13 +29,10 @@ from dataclasses import dataclass, field
 import torch
 
 from lowcomm.collectives.base import CollectiveError
+from lowcomm.collectives.held_shards import KEEP_ROUNDS, HeldShards
 from lowcomm.compress import CodecError, get_codec
 
 logger = logging.getLogger(__name__)
-KEEP_ROUNDS = 2  # a round's slot and shards live while this peer runs the next KEEP_ROUNDS rounds
-HOLD_S = 30.0  # its shards live on this long after they landed: a joiner catches up at its own pace
-MAX_HELD_ROUNDS = 8  # but never more rounds back than this (memory, where rounds take a second)
-HOLD_BYTES = 32 << 20  # nor more bytes past KEEP_ROUNDS than this: a large model's peak stays where it was
 EXPIRED = "round forgotten here"  # held(): a round more than KEEP_ROUNDS below the newest, not held
 AHEAD_ROUNDS = 2  # a part may name a round this far past the owner's newest slot (the overlap's reach)
 MAX_WEIGHT = 1e12  # hard bound on a contribution's weight (tokens), whatever the round's own bound
@@ -123,8 +120,7 @@ class OwnerSlots:
 
     def __init__(self):
         self._slots: dict[tuple[str, int], Slot] = {}
-        self._held: dict[tuple[str, int, int], tuple[bytes, list[str], bytes]] = {}  # ... and its manifest
-        self._held_t: dict[tuple[str, int, int], float] = {}  # when each landed (time.monotonic())
+        self._held = HeldShards()  # the landed rounds' replies, for hole filling and catch-up
         self._newest: dict[str, int] = {}
         self._cond = threading.Condition()
         self.rejected = 0
@@ -136,9 +132,11 @@ class OwnerSlots:
             if key not in self._slots:
                 self._slots[key] = slot
             self._newest[slot.group] = max(self._newest.get(slot.group, -1), slot.round)
-            self._forget_old(slot.group)
+            to_spool = self._forget_old(slot.group)
             self._cond.notify_all()
-            return self._slots[key]
+            opened = self._slots[key]
+        self._held.spool(to_spool)
+        return opened
 
     def reach(self, group: str, round_: int) -> None:
         """This peer runs (or caught up) ``round_``, a slot of its own there or not: parts up to
@@ -146,8 +144,9 @@ class OwnerSlots:
         slot opened is older, and a member's part for the round in hand read as too far ahead)."""
         with self._cond:
             self._newest[group] = max(self._newest.get(group, -1), round_)
-            self._forget_old(group)
+            to_spool = self._forget_old(group)
             self._cond.notify_all()
+        self._held.spool(to_spool)
 
     def wait_slot(self, group: str, round_: int, timeout: float, active=None) -> Slot:
         """The slot of (group, round), waiting up to ``timeout`` for it to open, while ``active()`` holds
@@ -185,45 +184,37 @@ class OwnerSlots:
              manifest: bytes) -> None:
         """Keeps a shard's reply (own or another owner's) for the members that lost it; ``manifest``: the
         digest of the manifest it was reduced under."""
+        self._held.put(group, round_, shard, blob, contributors, manifest)
         with self._cond:
-            self._held[(group, round_, shard)] = (blob, list(contributors), manifest)
-            self._held_t[(group, round_, shard)] = time.monotonic()
             self._cond.notify_all()
 
     def held(self, group: str, round_: int, shard: int, timeout: float, manifest: bytes,
              active=None) -> tuple[bytes, list[str]] | str:
         """The shard held under ``manifest``, waiting up to ``timeout`` for it while ``active()`` holds;
         else why not: a round forgotten or held under another manifest answers at once."""
-        deadline = time.monotonic() + timeout
+        deadline, key = time.monotonic() + timeout, (group, round_, shard)
         with self._cond:
-            while (group, round_, shard) not in self._held:
+            while key not in self._held:
                 if round_ < self._newest.get(group, -1) - KEEP_ROUNDS:
                     return EXPIRED
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or (active is not None and not active()):
                     return "shard not held here"
                 self._cond.wait(min(remaining, WAIT_SLICE_S))
-            blob, contributors, held_under = self._held[(group, round_, shard)]
-            if held_under != manifest:
-                return f"round {round_} shard {shard} is held here under another manifest"
-            return blob, contributors
+        held = self._held.get(key)  # a spooled one is read back: outside the lock
+        if held is None:
+            return EXPIRED
+        blob, contributors, held_under = held
+        if held_under != manifest:
+            return f"round {round_} shard {shard} is held here under another manifest"
+        return blob, contributors
 
-    def _forget_old(self, group: str) -> None:
+    def _forget_old(self, group: str) -> list[tuple[str, int]]:
+        """Drops the slots KEEP_ROUNDS below the newest and forgets held rounds; the rounds to spool."""
         floor = self._newest[group] - KEEP_ROUNDS
         for key in [k for k in self._slots if k[0] == group and k[1] < floor]:
             del self._slots[key]
-        now, oldest = time.monotonic(), self._newest[group] - MAX_HELD_ROUNDS
-        past = sorted((k for k in self._held if k[0] == group and k[1] < floor), key=lambda k: -k[1])
-        budget = HOLD_BYTES
-        for key in past:  # newest first: the budget goes to the rounds a catch-up reaches soonest
-            budget -= _size(self._held[key][0])
-            if key[1] < oldest or now - self._held_t[key] > HOLD_S or budget < 0:
-                del self._held[key], self._held_t[key]
-
-
-def _size(blob) -> int:
-    """Bytes of a held reply: one blob, or a streamed shard's pieces (collectives.pieces.Pieces)."""
-    return sum(len(piece) for piece in blob) if isinstance(blob, tuple) else len(blob)
+        return self._held.forget(group, self._newest[group])
 
 
 def decode_contribution(blob: bytes, codec_name: str, numel: int) -> torch.Tensor:

@@ -3,7 +3,7 @@ holds the shard, and a round this peer was left out of caught up from its member
 
 Every request names the manifest the round follows (`Manifest.digest`): a member holding the shard
 under another manifest of the round (a split) does not serve it. A member that no longer holds the
-round (reduce_owner.KEEP_ROUNDS, HOLD_S) says so at once (EXPIRED), and a catch-up every member
+round (held_shards.KEEP_ROUNDS, HOLD_S) says so at once (EXPIRED), and a catch-up every member
 answered so fails at once instead of at its deadline.
 """
 
@@ -33,7 +33,7 @@ CATCH_UP_STREAMS = 8  # shards a catch-up fetches at once
 
 
 class ShardExpired(CollectiveError):
-    """The asked member no longer holds the round (reduce_owner.KEEP_ROUNDS, HOLD_S): asking again is no use."""
+    """The asked member no longer holds the round (held_shards.KEEP_ROUNDS, HOLD_S): asking again is no use."""
 
 
 def _unexpired(replies):

@@ -16,7 +16,7 @@ import torch
 
 from lowcomm.algorithms import sparseloco
 from lowcomm.algorithms.sparseloco import SparseLoCoConfig, SparseLoCoState, compress_all
-from lowcomm.collectives import reduce_owner, shard_fetch
+from lowcomm.collectives import held_shards, shard_fetch
 from lowcomm.collectives.base import CollectiveError, GroupKey, NotInRound
 from lowcomm.collectives.combiners import SparseBundle
 from lowcomm.collectives.config import SyncConfig
@@ -217,10 +217,10 @@ def test_a_late_peer_catches_up_on_the_bytes_the_members_applied(nodes):
 
 @pytest.mark.parametrize("bound", ["HOLD_S", "HOLD_BYTES"])
 def test_catching_up_a_round_every_member_forgot_fails_at_once(nodes, monkeypatch, bound):
-    """The members keep a round's shards while they run the next two (reduce_owner.KEEP_ROUNDS), and
+    """The members keep a round's shards while they run the next two (held_shards.KEEP_ROUNDS), and
     older ones only within HOLD_S after they landed and HOLD_BYTES; a peer that asks for a round past
     either bound hears EXPIRED from each member and gives up without waiting for its deadline."""
-    monkeypatch.setattr(reduce_owner, bound, 0)
+    monkeypatch.setattr(held_shards, bound, 0)
     members, late = nodes[:3], nodes[3]
     board = Board(KEY.run, {n.id for n in members})
     reduces = [n.reduce(board) for n in members]
@@ -235,8 +235,10 @@ def test_catching_up_a_round_every_member_forgot_fails_at_once(nodes, monkeypatc
 
 def test_a_round_past_keep_rounds_is_caught_up_within_hold_s_up_to_max_held_rounds(nodes, monkeypatch):
     """A joiner slower than the members catches up a round they ran past (it landed under HOLD_S ago),
-    but never one more than MAX_HELD_ROUNDS back: that one is EXPIRED at once."""
-    monkeypatch.setattr(reduce_owner, "MAX_HELD_ROUNDS", 4)
+    but never one more than MAX_HELD_ROUNDS back: that one is EXPIRED at once. The rounds below the
+    newest are served from their spool files."""
+    monkeypatch.setattr(held_shards, "MAX_HELD_ROUNDS", 4)
+    monkeypatch.setattr(held_shards, "SPOOL_MIN_BYTES", 1)
     members, late = nodes[:3], nodes[3]
     board = Board(KEY.run, {n.id for n in members})
     reduces = [n.reduce(board) for n in members]
