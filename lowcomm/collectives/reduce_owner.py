@@ -8,8 +8,9 @@ t's reduce in the background while round t+1's starts, and either may open its s
 t's parts wait for their slot even after round t+1's opened. The slot closes when every member has
 contributed or its deadline passes; the reduced shard is encoded once and the same bytes go to every
 caller, so every replica applies identical values. Every received shard (own or others') is kept
-(collectives.held_shards) so holes can be filled and a late member or a joiner can catch up. A slot aborted before it closes (`abort`: its group gave up, e.g. an
-in-process run whose peer failed) wakes its callers with a CollectiveError instead of a reply.
+(collectives.held_shards) so holes can be filled and a late member or a joiner can catch up. A slot
+aborted before it closes (`abort`: its group gave up, e.g. an in-process run whose peer failed) wakes
+its callers with a CollectiveError instead of a reply.
 
 Hostile parts are refused, never raised into the owner's own round: a remote part that claims the
 owner's own id (`add` with `own=False`), a non-finite part (the owner's own included: the owner then
