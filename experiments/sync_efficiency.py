@@ -326,7 +326,8 @@ def summarize(system, peers, size_mb, numel, bound, args, rounds, workers) -> di
 
 COLUMNS = ["system", "N", "S MB", "rounds", "mean round s", "bound s", "efficiency", "eff. rounds ≥1", "agreement s",
            "transfer s", "MB sent/peer (wire)", "2(N−1)/N·S MB", "link util.", "uplink ≥80% of cap",
-           "CPU s/peer/round", "peak memory/worker (S)", "all-N groups?", "correct?", "identical replicas?", "host load"]
+           "CPU s/peer/round", "peak memory/worker (S)", "peak memory by round (S)", "all-N groups?", "correct?",
+           "identical replicas?", "host load"]
 
 NOTES = """\
 Round time: barrier release to the last worker holding the result, agreement included. Efficiency: bound / mean
@@ -337,7 +338,7 @@ the ceiling of any TCP system here. Link util.: busiest uplink's wire bytes / (B
 cap': mean share of the round a peer's uplink ran at ≥ 80% of the cap (50 ms samples). CPU s/peer/round: user +
 system CPU of every process in a peer's namespace over a round. Peak memory/worker: the most resident memory a
 worker process held during a round, above what it held set up and connected before its first input, in units of
-S (its input and its result are 2 of them); the worst worker and round. Host load: 1-min load average when the cell
+S (its input and its result are 2 of them); the worst worker and round, then the worst worker of each round. Host load: 1-min load average when the cell
 ended; the host had 2 cores shared with other jobs, so every number is noisy and CPU-starved. Correct: every
 worker's result within 1e-5 of the true mean of its group's inputs (every block up to 64 MB, 16 random 4 MB
 blocks above). Identical replicas: all members of a group hold the same bytes.
@@ -356,7 +357,7 @@ def table_row(r: dict) -> list[str]:
             f"{r['steady_efficiency']:.2f}", f"{r['mean_agreement_s']:.2f}", f"{r['mean_transfer_s']:.2f}",
             f"{r['mb_sent_per_peer']:.1f}", f"{r['mb_expected_per_peer']:.1f}", f"{r['link_utilization']:.2f}",
             f"{r['uplink_near_cap_share']:.2f}", f"{r['mean_cpu_s_per_node']:.1f}",
-            _times_s(r.get("peak_mem_s")), groups,
+            _times_s(r.get("peak_mem_s")), " / ".join(_times_s(max(x["peak_mem_s"])) for x in r["per_round"]), groups,
             "yes" if r["correct"] else "NO", "yes" if identical else "no", f"{r['host_load'][0]:.0f}"]
 
 
