@@ -97,6 +97,11 @@ class HeldShards:
                 return None
         return blob, held.contributors, held.manifest
 
+    def resident_bytes(self) -> int:
+        """Bytes of the replies held in memory (the spooled ones are on disk)."""
+        with self._lock:
+            return sum(h.nbytes for h in self._held.values() if not isinstance(h.blob, _Spooled))
+
     def forget(self, group: str, newest: int) -> list[tuple[str, int]]:
         """Forgets what ``newest`` leaves behind; returns the rounds to ``spool`` (called without a lock
         held: it writes). A spool file closes, and its disk space is freed, with its last reply."""

@@ -189,6 +189,10 @@ class OwnerSlots:
         with self._cond:
             self._cond.notify_all()
 
+    def held_resident_bytes(self) -> int:
+        """Bytes of held replies in memory: about one round's shards (collectives.held_shards)."""
+        return self._held.resident_bytes()
+
     def held(self, group: str, round_: int, shard: int, timeout: float, manifest: bytes,
              active=None) -> tuple[bytes, list[str]] | str:
         """The shard held under ``manifest``, waiting up to ``timeout`` for it while ``active()`` holds;

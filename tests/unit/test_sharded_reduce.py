@@ -246,6 +246,8 @@ def test_a_round_past_keep_rounds_is_caught_up_within_hold_s_up_to_max_held_roun
     for round_ in range(6):
         landed[round_] = [h.result(WAIT_S) for h in [r.start(KEY, round_, payload(i + round_), 1.0)
                                                       for i, r in enumerate(reduces)]][0]
+    for r in reduces:  # the newest round in memory, the ones below it in their spool files
+        assert 0 < r.slots.held_resident_bytes() <= 2 * NUMEL * 4
     latecomer = late.reduce(board)
     caught = latecomer.catch_up(KEY, 2, NUMEL, board.manifests[(KEY.group, 2)])  # 3 rounds back: held
     assert torch.equal(caught.aggregate, landed[2].aggregate)
