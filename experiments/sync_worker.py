@@ -319,8 +319,8 @@ class HivemindWorker:
 
 def work(args) -> None:
     if args.system.startswith("lowcomm"):
-        from lowcomm.runtime.allocator import limit_arenas
-        limit_arenas()  # as `lowcomm peer join` does, before any thread starts
+        from lowcomm.runtime.allocator import tune_allocator
+        tune_allocator()  # as `lowcomm peer join` does, before any thread starts
     torch.set_num_threads(1)
     wait_for(args.dir / "boot.json")
     initial_peers = json.loads((args.dir / "boot.json").read_text())

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from lowcomm.version import __version__
 from lowcomm.config import ALGOS, ConfigError, load_config
-from lowcomm.runtime.allocator import limit_arenas
+from lowcomm.runtime.allocator import tune_allocator
 from lowcomm.runtime.options import PeerOptions, peer_options, read_profile
 
 
@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    limit_arenas()  # before any thread starts
+    tune_allocator()  # before any thread starts
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import platform
 
-from lowcomm.runtime.allocator import limit_arenas
+from lowcomm.runtime.allocator import tune_allocator
 
 
 def test_glibc_takes_the_arena_cap():
-    assert limit_arenas() == (platform.libc_ver()[0] == "glibc")
+    assert tune_allocator() == (platform.libc_ver()[0] == "glibc")
