@@ -338,8 +338,8 @@ the ceiling of any TCP system here. Link util.: busiest uplink's wire bytes / (B
 cap': mean share of the round a peer's uplink ran at ≥ 80% of the cap (50 ms samples). CPU s/peer/round: user +
 system CPU of every process in a peer's namespace over a round. Peak memory/worker: the most resident memory a
 worker process held during a round, above what it held set up and connected before its first input, in units of
-S (its input and its result are 2 of them); the worst worker and round, then the worst worker of each round. Host load: 1-min load average when the cell
-ended; the host had 2 cores shared with other jobs, so every number is noisy and CPU-starved. Correct: every
+S (its input and its result are 2 of them); the worst worker and round, then the worst worker of each round. Host
+load: 1-min load average when the cell ended; the host had 2 cores shared with other jobs, so every number is noisy and CPU-starved. Correct: every
 worker's result within 1e-5 of the true mean of its group's inputs (every block up to 64 MB, 16 random 4 MB
 blocks above). Identical replicas: all members of a group hold the same bytes.
 """

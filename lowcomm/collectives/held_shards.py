@@ -143,7 +143,8 @@ class HeldShards:
             if not todo:
                 continue
             try:
-                file = tempfile.TemporaryFile(prefix="lowcomm-held-", dir=SPOOL_DIR)  # unlinked: gone with its last reference
+                # unlinked at once: the file is gone with the last reference to it (the round's last reply)
+                file = tempfile.TemporaryFile(prefix="lowcomm-held-", dir=SPOOL_DIR)
                 written = {key: _write(file, held.blob) for key, held in todo.items()}
             except OSError as e:  # a full disk: the round stays in memory
                 logger.warning("spooling round %d's shards failed, they stay in memory: %s", round_, e)

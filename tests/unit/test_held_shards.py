@@ -78,7 +78,7 @@ def test_rounds_past_keep_rounds_live_within_hold_s_max_rounds_and_hold_bytes(mo
     for round_ in range(8):
         held.put(G, round_, 0, blob(round_, 0, 1000), ["a"], MANIFEST)
     held.forget(G, 7)
-    # KEEP_ROUNDS keeps 5..7; past it, 4 and 3 fit 2500 bytes, 2 does not (and is at MAX_HELD_ROUNDS)
+    # KEEP_ROUNDS keeps 5..7; past it, 4 and 3 fit 2500 bytes, 2 does not; 1 and 0 are past MAX_HELD_ROUNDS
     assert sorted(k[1] for k in held._held) == [3, 4, 5, 6, 7]
     monkeypatch.setattr(held_shards, "HOLD_S", 0.0)
     held.forget(G, 7)
