@@ -319,7 +319,7 @@ class HivemindWorker:
 
 def work(args) -> None:
     if args.system.startswith("lowcomm"):
-        from lowcomm.runtime.allocator import tune_allocator
+        from lowcomm.collectives.allocator import tune_allocator
         tune_allocator()  # as `lowcomm peer join` does, before any thread starts
     torch.set_num_threads(1)
     wait_for(args.dir / "boot.json")

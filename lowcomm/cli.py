@@ -11,7 +11,7 @@ from pathlib import Path
 
 from lowcomm.version import __version__
 from lowcomm.config import ALGOS, ConfigError, load_config
-from lowcomm.runtime.allocator import tune_allocator
+from lowcomm.collectives.allocator import tune_allocator
 from lowcomm.runtime.options import PeerOptions, peer_options, read_profile
 
 

@@ -15,8 +15,6 @@ round, bigger than HOLD_BYTES, is forgotten as before.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import os
 import tempfile
@@ -24,6 +22,8 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from lowcomm.collectives.allocator import release_free_memory
 
 logger = logging.getLogger(__name__)
 KEEP_ROUNDS = 2  # a round's shards live while this peer runs the next KEEP_ROUNDS rounds
@@ -33,18 +33,6 @@ HOLD_BYTES = 32 << 20  # nor more bytes past KEEP_ROUNDS than this: a large mode
 SPOOL_MIN_BYTES = 1 << 20  # a round below the newest with fewer bytes than this stays in memory
 # where spool files go: LOWCOMM_SPOOL_DIR, else /var/tmp (on disk where /tmp is a tmpfs, which is memory)
 SPOOL_DIR = os.environ.get("LOWCOMM_SPOOL_DIR") or ("/var/tmp" if os.path.isdir("/var/tmp") else None)
-
-
-def _malloc_trim():
-    """glibc's malloc_trim, or None (another C library)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc.malloc_trim if hasattr(libc, "gnu_get_libc_version") else None
-    except (OSError, AttributeError):
-        return None
-
-
-_TRIM = _malloc_trim()
 
 
 class Pieces(tuple):
@@ -153,9 +141,7 @@ class HeldShards:
                 for key, spooled in written.items():
                     if self._held.get(key) is todo[key]:  # not forgotten or replaced meanwhile
                         todo[key].blob = spooled
-            del todo, written
-            if _TRIM is not None:  # glibc keeps what the round freed in its arenas (runtime/allocator.py)
-                _TRIM(ctypes.c_size_t(0))
+            release_free_memory()  # glibc keeps what the round freed in its arenas (collectives/allocator.py)
 
     def close(self) -> None:
         with self._lock:

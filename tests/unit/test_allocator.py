@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import platform
 
-from lowcomm.runtime.allocator import tune_allocator
+from lowcomm.collectives.allocator import tune_allocator
 
 
 def test_glibc_takes_the_arena_cap():

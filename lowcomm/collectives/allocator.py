@@ -25,18 +25,30 @@ M_ARENA_MAX = -8  # glibc's mallopt parameter
 ARENAS = 2
 
 
-def tune_allocator(arenas: int = ARENAS) -> bool:
-    """Caps glibc's malloc arenas (before the process starts its threads); False where that is not glibc."""
+def _glibc():
+    """The C library if it is glibc, else None."""
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name) if name else None
-        mallopt = getattr(libc, "mallopt", None)
-        gnu = getattr(libc, "gnu_get_libc_version", None)
     except OSError:
+        return None
+    return libc if getattr(libc, "gnu_get_libc_version", None) is not None else None
+
+
+_GLIBC = _glibc()
+
+
+def tune_allocator(arenas: int = ARENAS) -> bool:
+    """Caps glibc's malloc arenas (before the process starts its threads); False where that is not glibc."""
+    if _GLIBC is None:
         return False
-    if mallopt is None or gnu is None:
-        return False
-    ok = bool(mallopt(ctypes.c_int(M_ARENA_MAX), ctypes.c_int(arenas)))
+    ok = bool(_GLIBC.mallopt(ctypes.c_int(M_ARENA_MAX), ctypes.c_int(arenas)))
     if not ok:
         logger.info("mallopt(M_ARENA_MAX, %d) was refused", arenas)
     return ok
+
+
+def release_free_memory() -> None:
+    """Hands the free pages of glibc's arenas back to the system (``malloc_trim``); nothing elsewhere."""
+    if _GLIBC is not None:
+        _GLIBC.malloc_trim(ctypes.c_size_t(0))
