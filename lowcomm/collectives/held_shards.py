@@ -7,6 +7,12 @@ the round), so a worker's memory holds one round of shards instead of KEEP_ROUND
 (Decision 35 in docs/round-protocol.md). Rounds that are small (below ``SPOOL_MIN_BYTES``) stay in
 memory: their file would cost more than it saves. A spooled round is read back only when asked for.
 
+A shard of a lossless codec is held as its decoded values (HeldValues), not as the pieces that came:
+its pieces are encoded again when a member asks, and decode to the same values as the owner's did.
+While its round reduces, those values are the round's aggregate itself, so holding them costs no
+memory; before the aggregate goes to its caller (``settle``) they are copied to the round's spool
+file (Decision 36).
+
 A round is forgotten once it is more than KEEP_ROUNDS below the newest, unless it landed under
 HOLD_S ago, is at most MAX_HELD_ROUNDS back and fits HOLD_BYTES with the rounds past KEEP_ROUNDS
 newer than it: a joiner slower than its members catches up at its own pace, and a large model's
@@ -20,8 +26,10 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import torch
 
 from lowcomm.collectives.allocator import release_free_memory
 
@@ -39,19 +47,49 @@ class Pieces(tuple):
     """A streamed shard's encoded pieces, in order: what an owner replies and a member holds."""
 
 
+class HeldValues:
+    """A streamed shard of a lossless codec, held as its float32 values: ``pieces()`` encodes them again
+    (``encode``, piece by piece over ``bounds``). ``alias``: the values are a slice of the round's
+    aggregate, whose caller may change it once the round is settled."""
+
+    def __init__(self, values: torch.Tensor, encode: Callable[[torch.Tensor], bytes],
+                 bounds: list[tuple[int, int]], alias: bool):
+        self.values, self.encode, self.bounds, self.alias = values, encode, bounds, alias
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * self.values.numel()
+
+    def pieces(self) -> Pieces:
+        return Pieces(self.encode(self.values[a:b]) for a, b in self.bounds)
+
+    def copy(self) -> HeldValues:
+        return HeldValues(self.values.clone(), self.encode, self.bounds, alias=False)
+
+
 def size(blob) -> int:
-    """Bytes of a held reply: one blob, or a streamed shard's Pieces."""
+    """Bytes of a held reply: one blob, a streamed shard's Pieces, or its HeldValues."""
+    if isinstance(blob, HeldValues):
+        return blob.nbytes
     return sum(len(piece) for piece in blob) if isinstance(blob, tuple) else len(blob)
 
 
 @dataclass
 class _Spooled:
-    """A reply in a round's spool file: where its bytes are, and whether they were Pieces."""
+    """A reply in a round's spool file: where its bytes are, and whether they were Pieces or values
+    (``values``: the HeldValues they were, for its encoder and piece bounds)."""
     file: object
-    spans: list[tuple[int, int]]  # (offset, length) of the blob, or of each piece
+    spans: list[tuple[int, int]]  # (offset, length) of the blob, of each piece, or of the values
     pieces: bool
+    values: HeldValues | None = None  # without its tensor
 
     def read(self):
+        if self.values is not None:
+            (offset, length), = self.spans
+            values = torch.empty(length // 4)
+            if os.preadv(self.file.fileno(), [memoryview(values.numpy()).cast("B")], offset) != length:
+                raise OSError(f"spool file ended before the {length} bytes of a held shard's values")
+            return HeldValues(values, self.values.encode, self.values.bounds, alias=False).pieces()
         parts = [os.pread(self.file.fileno(), length, offset) for offset, length in self.spans]
         for (_, length), part in zip(self.spans, parts):
             if len(part) != length:
@@ -73,10 +111,13 @@ class HeldShards:
 
     def __init__(self):
         self._held: dict[tuple[str, int, int], _Held] = {}
+        self._settled: set[tuple[str, int]] = set()  # rounds whose aggregate went to its caller
         self._lock = threading.Lock()
 
     def put(self, group: str, round_: int, shard: int, blob, contributors: Sequence[str], manifest: bytes) -> None:
         with self._lock:
+            if isinstance(blob, HeldValues) and blob.alias and (group, round_) in self._settled:
+                blob = blob.copy()  # a reply read just before its round settled
             self._held[(group, round_, shard)] = _Held(blob, list(contributors), manifest, time.monotonic(),
                                                        size(blob))
 
@@ -88,9 +129,11 @@ class HeldShards:
         """(blob, contributors, manifest) of ``key``, or None; a spooled blob is read back."""
         with self._lock:
             held = self._held.get(key)
-        if held is None:
-            return None
-        blob = held.blob
+            if held is None:
+                return None
+            blob = held.blob
+            if isinstance(blob, HeldValues):  # under the lock: settle() copies an alias before its caller may change it
+                blob = blob.pieces()
         if isinstance(blob, _Spooled):
             try:
                 blob = blob.read()
@@ -102,7 +145,26 @@ class HeldShards:
     def resident_bytes(self) -> int:
         """Bytes of the replies held in memory (the spooled ones are on disk)."""
         with self._lock:
-            return sum(h.nbytes for h in self._held.values() if not isinstance(h.blob, _Spooled))
+            return sum(h.nbytes for h in self._held.values()
+                       if not isinstance(h.blob, _Spooled) and not (isinstance(h.blob, HeldValues) and h.blob.alias))
+
+    def settle(self, group: str, round_: int) -> None:
+        """The round's aggregate goes to its caller, who may change it: the held values that are slices of
+        it are copied first, to a spool file of the round's own (in memory if small, or if the disk fails)."""
+        with self._lock:  # held: a get() encodes an alias under it too
+            self._settled.add((group, round_))
+            todo = {k: h for k, h in self._held.items()
+                    if k[:2] == (group, round_) and isinstance(h.blob, HeldValues) and h.blob.alias}
+            written = {}
+            if sum(h.nbytes for h in todo.values()) >= SPOOL_MIN_BYTES:
+                try:
+                    file = tempfile.TemporaryFile(prefix="lowcomm-held-", dir=SPOOL_DIR)
+                    written = {key: _write(file, held.blob) for key, held in todo.items()}
+                except OSError as e:
+                    logger.warning("spooling round %d's shards failed, they stay in memory: %s", round_, e)
+                    written = {}
+            for key, held in todo.items():
+                held.blob = written.get(key) or held.blob.copy()
 
     def forget(self, group: str, newest: int) -> list[tuple[str, int]]:
         """Forgets what ``newest`` leaves behind; returns the rounds to ``spool`` (called without a lock
@@ -110,6 +172,7 @@ class HeldShards:
         floor, oldest, now = newest - KEEP_ROUNDS, newest - MAX_HELD_ROUNDS, time.monotonic()
         with self._lock:
             past = sorted((k for k in self._held if k[0] == group and k[1] < floor), key=lambda k: -k[1])
+            self._settled = {k for k in self._settled if k[0] != group or k[1] >= oldest}
             budget = HOLD_BYTES
             for key in past:  # newest first: the budget goes to the rounds a catch-up reaches soonest
                 held = self._held[key]
@@ -122,8 +185,9 @@ class HeldShards:
                     rounds[round_] = rounds.get(round_, 0) + held.nbytes
             return [(group, r) for r, nbytes in sorted(rounds.items()) if nbytes >= SPOOL_MIN_BYTES]
 
-    def spool(self, rounds: list[tuple[str, int]]) -> None:
-        """Writes each round's in-memory replies to a file of its own and drops them from memory."""
+    def spool(self, rounds: list[tuple[str, int]], trim: bool = False) -> None:
+        """Writes each round's in-memory replies to a file of its own and drops them from memory; then, or
+        if ``trim`` (the caller freed memory of its own), hands glibc's free pages back."""
         for group, round_ in rounds:
             with self._lock:
                 todo = {k: h for k, h in self._held.items()
@@ -141,7 +205,9 @@ class HeldShards:
                 for key, spooled in written.items():
                     if self._held.get(key) is todo[key]:  # not forgotten or replaced meanwhile
                         todo[key].blob = spooled
-            release_free_memory()  # glibc keeps what the round freed in its arenas (collectives/allocator.py)
+            trim = True
+        if trim:
+            release_free_memory()  # glibc keeps what was freed in its arenas (collectives/allocator.py)
 
     def close(self) -> None:
         with self._lock:
@@ -149,6 +215,11 @@ class HeldShards:
 
 
 def _write(file, blob) -> _Spooled:
+    if isinstance(blob, HeldValues):
+        offset, data = file.seek(0, os.SEEK_END), memoryview(blob.values.contiguous().numpy()).cast("B")
+        file.write(data)
+        file.flush()
+        return _Spooled(file, [(offset, len(data))], False, HeldValues(torch.empty(0), blob.encode, blob.bounds, False))
     spans = []
     for part in (list(blob) if isinstance(blob, tuple) else [blob]):
         spans.append((file.seek(0, os.SEEK_END), len(part)))

@@ -160,9 +160,10 @@ def held_replies(held: Pieces, contributors: list[str], round_: int, shard: int,
     return reply_pieces(held.__getitem__, len(held), lambda: list(contributors), round_, shard, codec)
 
 
-def read_pieces(messages, codec: str, numel: int, elems: int, out: Sink) -> tuple[Pieces, list[str]]:
-    """A streamed reply → its pieces and contributors, each piece decoded into ``out`` (numel elements) as
-    it arrives; anything malformed raises ContributionRejected."""
+def read_pieces(messages, codec: str, numel: int, elems: int, out: Sink,
+                keep: bool = True) -> tuple[Pieces | None, list[str]]:
+    """A streamed reply → its pieces (None unless ``keep``) and contributors, each piece decoded into
+    ``out`` (numel elements) as it arrives; anything malformed raises ContributionRejected."""
     bounds = piece_bounds(numel, elems)
     datas, contributors = [], []
     for c, message in enumerate(messages):
@@ -176,11 +177,11 @@ def read_pieces(messages, codec: str, numel: int, elems: int, out: Sink) -> tupl
             raise ContributionRejected(f"reply piece {c} holds {len(message.data)} bytes")
         start, end = bounds[c]
         out.write(start, end, decode_contribution(message.data, codec, end - start))
-        datas.append(message.data)
+        datas.append(message.data if keep else None)
         contributors = list(message.contributors)
     if len(datas) != len(bounds):
         raise ContributionRejected(f"reply ended after {len(datas)} of its {len(bounds)} pieces")
-    return Pieces(datas), contributors
+    return (Pieces(datas) if keep else None), contributors
 
 
 def decode_pieces(pieces: Pieces, codec: str, numel: int, elems: int, out: Sink) -> None:

@@ -133,10 +133,10 @@ class OwnerSlots:
             if key not in self._slots:
                 self._slots[key] = slot
             self._newest[slot.group] = max(self._newest.get(slot.group, -1), slot.round)
-            to_spool = self._forget_old(slot.group)
+            to_spool, freed = self._forget_old(slot.group)
             self._cond.notify_all()
             opened = self._slots[key]
-        self._held.spool(to_spool)
+        self._held.spool(to_spool, trim=freed)
         return opened
 
     def reach(self, group: str, round_: int) -> None:
@@ -145,9 +145,9 @@ class OwnerSlots:
         slot opened is older, and a member's part for the round in hand read as too far ahead)."""
         with self._cond:
             self._newest[group] = max(self._newest.get(group, -1), round_)
-            to_spool = self._forget_old(group)
+            to_spool, freed = self._forget_old(group)
             self._cond.notify_all()
-        self._held.spool(to_spool)
+        self._held.spool(to_spool, trim=freed)
 
     def wait_slot(self, group: str, round_: int, timeout: float, active=None) -> Slot:
         """The slot of (group, round), waiting up to ``timeout`` for it to open, while ``active()`` holds
@@ -189,6 +189,10 @@ class OwnerSlots:
         with self._cond:
             self._cond.notify_all()
 
+    def settle(self, group: str, round_: int) -> None:
+        """The round's aggregate goes to its caller: held values that are slices of it are copied first."""
+        self._held.settle(group, round_)
+
     def held_resident_bytes(self) -> int:
         """Bytes of held replies in memory: about one round's shards (collectives.held_shards)."""
         return self._held.resident_bytes()
@@ -214,12 +218,17 @@ class OwnerSlots:
             return f"round {round_} shard {shard} is held here under another manifest"
         return blob, contributors
 
-    def _forget_old(self, group: str) -> list[tuple[str, int]]:
-        """Drops the slots KEEP_ROUNDS below the newest and forgets held rounds; the rounds to spool."""
-        floor = self._newest[group] - KEEP_ROUNDS
+    def _forget_old(self, group: str) -> tuple[list[tuple[str, int]], bool]:
+        """Drops the slots KEEP_ROUNDS below the newest, the pieces of those two below, and forgets held
+        rounds: (the rounds to spool, whether a slot's memory was freed)."""
+        floor, freed = self._newest[group] - KEEP_ROUNDS, False
         for key in [k for k in self._slots if k[0] == group and k[1] < floor]:
             del self._slots[key]
-        return self._held.forget(group, self._newest[group])
+            freed = True
+        for key, slot in self._slots.items():  # their replies went out a round ago: a late member asks GetShard
+            if key[0] == group and key[1] < self._newest[group] - 1 and not getattr(slot, "released", True):
+                freed = slot.release() or freed
+        return self._held.forget(group, self._newest[group]), freed
 
 
 def decode_contribution(blob: bytes, codec_name: str, numel: int) -> torch.Tensor:

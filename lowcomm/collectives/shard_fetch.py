@@ -61,12 +61,14 @@ class ShardFetching:
         ``out``: where a streamed shard's values go (else a tensor of their own)."""
         stream = _unexpired(self.traffic.receiving(stream, deadline))
         if self.streams:
-            out = out if out is not None else Sink(torch.empty(bounds[1] - bounds[0]))
+            alias, out = out is not None, out if out is not None else Sink(torch.empty(bounds[1] - bounds[0]))
+            values = self.held_as_values()  # a lossless codec's shard is held as its values (held_shards)
             try:
-                pieces, contributors = read_pieces(stream, self.codec, bounds[1] - bounds[0], self.elems, out)
+                pieces, contributors = read_pieces(stream, self.codec, bounds[1] - bounds[0], self.elems, out,
+                                                   keep=values is None)
             except ContributionRejected as e:
                 raise CollectiveError(f"owner of shard {shard}: {e}") from None
-            return ShardReply(out.values, contributors, pieces)
+            return ShardReply(out.values, contributors, pieces if values is None else values(out.values, alias))
         first, datas = None, []
         for reply in stream:
             if first is None:

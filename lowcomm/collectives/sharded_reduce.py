@@ -40,7 +40,9 @@ import torch
 from lowcomm.collectives.base import Collective, CollectiveError, FutureHandle, GroupKey, RoundResult
 from lowcomm.collectives.manifest import Manifest, ManifestAgreement
 from lowcomm.collectives.combiners import DenseMean
-from lowcomm.collectives.pieces import AggregateSlices, Pieces, Sink, decode_pieces, part_pieces, piece_elems
+from lowcomm.collectives.held_shards import HeldValues
+from lowcomm.collectives.pieces import (AggregateSlices, Pieces, Sink, decode_pieces, part_pieces, piece_bounds,
+                                        piece_elems)
 from lowcomm.collectives.reduce_messages import part_chunks
 from lowcomm.collectives.reduce_owner import ContributionRejected, OwnerSlots, Slot, check_finite, validate_weight
 from lowcomm.collectives.reduce_serving import PER_SENDER_CALLS, STRANGER_CALLS, ReduceServing
@@ -48,6 +50,7 @@ from lowcomm.collectives.streamed_slot import StreamedSlot
 from lowcomm.collectives.config import SyncConfig
 from lowcomm.collectives.sender_calls import SenderCalls, StrangerCalls
 from lowcomm.collectives.shard_fetch import ShardFetching, ShardReply
+from lowcomm.compress import get_codec
 from lowcomm.transport.service import PeerService
 from lowcomm.transport.signing import Signer, Verifier
 from lowcomm.transport.wire import Channels, Traffic
@@ -96,6 +99,16 @@ class ShardedReduce(ShardFetching, ReduceServing, Collective):
         """Whether this collective's rounds are reduced piece by piece (Decision 30); a stage sets its
         combiner after the collective is made (runtime.stage_state)."""
         return getattr(self.combiner, "streams", False)
+
+    def held_as_values(self):
+        """For a streamed lossless codec, ``(values, alias) -> HeldValues``: a received shard is held as its
+        decoded values and encoded again when asked for (Decision 36); else None, the pieces are held."""
+        if not self.streams:
+            return None
+        codec = get_codec(self.codec, zstd_level=self.combiner.zstd_level)
+        if not codec.lossless:
+            return None
+        return lambda values, alias: HeldValues(values, codec.encode, piece_bounds(values.numel(), self.elems), alias)
 
     # ---- the caller's side ----------------------------------------------------------------
 
@@ -208,6 +221,7 @@ class ShardedReduce(ShardFetching, ReduceServing, Collective):
             self.on_event("shard_lost", round=round_, shard=j, owner=manifest.owners[j])
         aggregate = out.close() if out is not None else torch.cat([replies[j].values
                                                                    for j in range(len(manifest.owners))])
+        self.slots.settle(key.group, round_)  # held values that are slices of the aggregate: copied first
         kept = [set(r.contributors) for j, r in replies.items() if j not in lost]
         if not kept:
             self.end_epoch(key, round_)
@@ -265,7 +279,8 @@ class ShardedReduce(ShardFetching, ReduceServing, Collective):
         try:
             if isinstance(blob, Pieces):
                 decode_pieces(blob, self.codec, slot.numel, self.elems, out)
-                return ShardReply(out.values, contributors, blob)
+                values = self.held_as_values()
+                return ShardReply(out.values, contributors, blob if values is None else values(out.values, True))
             return ShardReply(self.combiner.finish(blob, slot.bounds), contributors, blob)
         except ContributionRejected as e:
             raise CollectiveError(f"round {round_}: this owner's own reply is unreadable: {e}") from None

@@ -63,6 +63,7 @@ class StreamedSlot:
         self._next: dict[str, int] = {}  # the piece each sender sends next
         self._left: set[str] = set()
         self._reduced: list[bytes] = []
+        self.released = False  # the reduced pieces were dropped (release)
         self.aborted: str | None = None
         self.clip = clip
         self._norms: dict[str, float] = {}  # declared
@@ -116,6 +117,17 @@ class StreamedSlot:
                 self.aborted = reason
                 self.cond.notify_all()
 
+    def release(self) -> bool:
+        """Drops the reduced pieces once the round is two behind (reduce_owner.OwnerSlots): the members hold
+        the shard, and a caller this late is answered with an error and fills the hole from them. Whether
+        they were dropped (a slot still reducing keeps them)."""
+        with self.cond:
+            if self._done() and not self.released:
+                self._reduced = [None] * len(self._reduced)
+                self.released = True
+                return True
+            return False
+
     def piece(self, c: int, active=None) -> bytes:
         """Reduced piece ``c``, waiting for it until the deadline (then the late members are left out),
         while ``active()`` holds."""
@@ -130,6 +142,9 @@ class StreamedSlot:
                     self._expire()
                     continue
                 self.cond.wait(min(remaining, WAIT_SLICE_S))
+            if self.released:
+                raise CollectiveError(f"round {self.round} shard {self.shard}: its reply left this owner's memory, "
+                                      "ask a member for it")
             return self._reduced[c]
 
     def contributors(self) -> list[str]:

@@ -1,14 +1,18 @@
 """The replies a member holds for the others: rounds below the newest go to a spool file and come back
-byte for byte, small rounds stay in memory, and a round is forgotten by the bounds of held_shards."""
+byte for byte, small rounds stay in memory, and a round is forgotten by the bounds of held_shards. A
+lossless codec's shard is held as its values and encoded again when asked for."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+import torch
 
 from lowcomm.collectives import held_shards
-from lowcomm.collectives.held_shards import HeldShards, Pieces
+from lowcomm.collectives.held_shards import HeldShards, HeldValues, Pieces
+from lowcomm.collectives.pieces import piece_bounds
+from lowcomm.compress import get_codec
 
 G, MANIFEST = "g", b"m" * 32
 
@@ -92,3 +96,45 @@ def test_a_spool_that_cannot_be_written_keeps_the_round_in_memory(monkeypatch, t
     held.put(G, 0, 0, blob(0, 0, 100), ["a"], MANIFEST)
     held.spool(held.forget(G, 1))
     assert held.get((G, 0, 0))[0] == blob(0, 0, 100)
+
+
+def held_values(values: torch.Tensor, alias: bool = True) -> HeldValues:
+    return HeldValues(values, get_codec("fp32", zstd_level=1).encode, piece_bounds(values.numel(), 1000), alias)
+
+
+def decoded(pieces: Pieces) -> torch.Tensor:
+    return torch.cat([get_codec("fp32").decode(piece) for piece in pieces])
+
+
+@pytest.mark.parametrize("spool", [True, False])
+def test_values_held_from_an_aggregate_are_copied_before_it_goes_to_its_caller(spool_all, monkeypatch, spool):
+    """A slice of the round's aggregate costs nothing while the round reduces; settle() copies it (to the
+    round's spool file, or in memory when small) so that the caller's changes reach no later reply."""
+    if not spool:
+        monkeypatch.setattr(held_shards, "SPOOL_MIN_BYTES", 1 << 30)
+    aggregate = torch.randn(4500)
+    held = HeldShards()
+    held.put(G, 0, 0, held_values(aggregate[:2500]), ["a"], MANIFEST)
+    held.put(G, 0, 1, held_values(aggregate[2500:]), ["a", "b"], MANIFEST)
+    assert held.resident_bytes() == 0  # the aggregate's own memory
+    before = held.get((G, 0, 0))
+    assert len(before[0]) == 3 and torch.equal(decoded(before[0]), aggregate[:2500]) and before[1] == ["a"]
+    original = aggregate.clone()
+    held.settle(G, 0)
+    aggregate.zero_()  # the caller's to change now
+    assert spooled_fds(spool_all) == (1 if spool else 0)
+    assert held.resident_bytes() == (0 if spool else 4500 * 4)
+    for shard, part in ((0, original[:2500]), (1, original[2500:])):
+        assert torch.equal(decoded(held.get((G, 0, shard))[0]), part)
+    held.put(G, 0, 2, held_values(aggregate[:10]), ["a"], MANIFEST)  # a late reply of a settled round: copied
+    aggregate[:10] = 7.0
+    assert torch.equal(decoded(held.get((G, 0, 2))[0]), torch.zeros(10))
+
+
+def test_values_below_the_newest_round_are_spooled_and_read_back(spool_all):
+    values = torch.randn(3000)
+    held = HeldShards()
+    held.put(G, 0, 0, held_values(values.clone(), alias=False), ["a"], MANIFEST)
+    held.spool(held.forget(G, 1))
+    assert spooled_fds(spool_all) == 1 and held.resident_bytes() == 0
+    assert torch.equal(decoded(held.get((G, 0, 0))[0]), values)

@@ -233,25 +233,33 @@ def test_catching_up_a_round_every_member_forgot_fails_at_once(nodes, monkeypatc
     assert torch.equal(caught.aggregate, last[0].aggregate)
 
 
-def test_a_round_past_keep_rounds_is_caught_up_within_hold_s_up_to_max_held_rounds(nodes, monkeypatch):
+@pytest.mark.parametrize("codec", ["fp32", "uint8"])
+def test_a_round_past_keep_rounds_is_caught_up_within_hold_s_up_to_max_held_rounds(nodes, monkeypatch, codec):
     """A joiner slower than the members catches up a round they ran past (it landed under HOLD_S ago),
     but never one more than MAX_HELD_ROUNDS back: that one is EXPIRED at once. The rounds below the
-    newest are served from their spool files."""
+    newest are served from their spool files; a lossless codec's newest round too, as values copied
+    there before its aggregate went to the caller, who may change it (here: zeroes it)."""
     monkeypatch.setattr(held_shards, "MAX_HELD_ROUNDS", 4)
     monkeypatch.setattr(held_shards, "SPOOL_MIN_BYTES", 1)
     members, late = nodes[:3], nodes[3]
     board = Board(KEY.run, {n.id for n in members})
-    reduces = [n.reduce(board) for n in members]
+    reduces = [n.reduce(board, codec) for n in members]
     landed = {}
     for round_ in range(6):
-        landed[round_] = [h.result(WAIT_S) for h in [r.start(KEY, round_, payload(i + round_), 1.0)
-                                                      for i, r in enumerate(reduces)]][0]
-    for r in reduces:  # the newest round in memory, the ones below it in their spool files
-        assert 0 < r.slots.held_resident_bytes() <= 2 * NUMEL * 4
-    latecomer = late.reduce(board)
+        results = [h.result(WAIT_S) for h in [r.start(KEY, round_, payload(i + round_), 1.0)
+                                              for i, r in enumerate(reduces)]]
+        landed[round_] = results[0].aggregate.clone(), results[0].contributors
+        for result in results:
+            result.aggregate.zero_()
+    for r in reduces:  # lossless: every round in spool files; else the newest round's pieces in memory
+        resident = r.slots.held_resident_bytes()
+        assert resident == 0 if codec == "fp32" else 0 < resident <= 2 * NUMEL * 4
+    latecomer = late.reduce(board, codec)
+    newest = latecomer.catch_up(KEY, 5, NUMEL, board.manifests[(KEY.group, 5)])
+    assert torch.equal(newest.aggregate, landed[5][0]) and landed[5][0].any()
     caught = latecomer.catch_up(KEY, 2, NUMEL, board.manifests[(KEY.group, 2)])  # 3 rounds back: held
-    assert torch.equal(caught.aggregate, landed[2].aggregate)
-    assert caught.contributors == landed[2].contributors
+    assert torch.equal(caught.aggregate, landed[2][0])
+    assert caught.contributors == landed[2][1]
     with pytest.raises(CollectiveError, match="every member forgot the round"):
         latecomer.catch_up(KEY, 0, NUMEL, board.manifests[(KEY.group, 0)])  # 5 rounds back
 

@@ -12,6 +12,7 @@ import threading
 import pytest
 import torch
 
+from lowcomm.collectives.base import CollectiveError
 from lowcomm.collectives.combiners import DenseMean
 from lowcomm.collectives.local import LocalGroup
 from lowcomm.collectives.manifest import Manifest
@@ -176,6 +177,23 @@ def test_a_replayed_header_does_not_cost_its_sender_its_place():
     pieces, contributors = slot.result()
     assert contributors == ["a", "b"]
     assert torch.equal(get_codec("fp32").decode(pieces[0]), torch.full((10,), 2.0))
+
+
+def test_a_released_slot_answers_a_late_caller_with_an_error_and_holds_no_pieces():
+    """Two rounds on (OwnerSlots), a slot drops its reduced pieces: a caller this late is told to ask a
+    member, and a slot still reducing keeps them."""
+    slot = StreamedSlot(KEY.group, 0, 0, frozenset({"a"}), (0, 40000), "fp32", 1, 16384, float("inf"), "a", KEY.run)
+    slot.begin("a", 1.0, own=True)
+    slot.add("a", 0, torch.ones(16384))
+    slot.release()  # not done: nothing is dropped
+    assert not slot.released and slot.piece(0) is not None
+    for c, (start, end) in enumerate(slot.pieces[1:], start=1):
+        slot.add("a", c, torch.ones(end - start))
+    slot.release()
+    assert slot.released and slot._reduced == [None] * len(slot.pieces)
+    assert slot.contributors() == ["a"]
+    with pytest.raises(CollectiveError, match="ask a member"):
+        slot.piece(1)
 
 
 def test_a_member_that_stops_mid_part_is_left_out_of_the_pieces_after_it():
