@@ -28,6 +28,8 @@ a hash of the whole result tells whether all workers hold the same bytes.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import hashlib
 import json
 import os
@@ -100,18 +102,49 @@ def rss_bytes() -> int:
     return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _mallinfo2():
+    """glibc's mallinfo2 (2.33 and later), else None."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        function = libc.mallinfo2
+    except (OSError, AttributeError, TypeError):
+        return None
+    function.restype = _MallInfo2
+    return function
+
+
+MALLINFO2 = _mallinfo2()
+
+
+def heap_bytes() -> dict:
+    """What glibc's malloc holds now: in use in its arenas, free in them, and mapped on its own."""
+    if MALLINFO2 is None:
+        return {}
+    info = MALLINFO2()
+    return {"heap_in_use": info.uordblks, "heap_free": info.fordblks, "mapped": info.hblkhd}
+
+
 class PeakRss:
-    """The most resident memory this process held while inside the block (sampled every 5 ms)."""
+    """The most resident memory this process held while inside the block (sampled every 5 ms), and what
+    glibc's malloc held at that moment (``at_peak``: in its arenas, free in them, mapped on its own)."""
 
     def __enter__(self):
         self.peak, self._stop = rss_bytes(), threading.Event()
+        self.at_peak = heap_bytes()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
         return self
 
     def _sample(self) -> None:
         while not self._stop.wait(0.005):
-            self.peak = max(self.peak, rss_bytes())
+            rss = rss_bytes()
+            if rss > self.peak:
+                self.peak, self.at_peak = rss, heap_bytes()
 
     def __exit__(self, *exc):
         self._stop.set()
@@ -334,6 +367,7 @@ def work(args) -> None:
     index_of = {(args.dir / f"id-{i}").read_text(): i for i in range(args.peers)}
     rounds = []
     baseline = rss_bytes()  # set up, connected, no input yet: what the round's memory is counted above
+    baseline_heap = heap_bytes()
     for round_ in range(args.rounds):
         tensor = make_input(args.seed, args.index, round_, args.numel)
         worker.prepare(tensor)
@@ -342,6 +376,7 @@ def work(args) -> None:
         with PeakRss() as memory:  # the input (S) and the result (S) included
             result, info = worker.average(round_)
         info["peak_mem_bytes"] = memory.peak - baseline
+        info["malloc_at_peak"] = {k: v - baseline_heap.get(k, 0) for k, v in memory.at_peak.items()}
         touch(args.dir / f"done-{round_}-{args.index}")
         # checking and the next input are CPU work: not while other workers still transfer
         wait_for(args.dir / f"alldone-{round_}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import threading
 
 logger = logging.getLogger(__name__)
 M_ARENA_MAX = -8  # glibc's mallopt parameter
@@ -52,3 +53,46 @@ def release_free_memory() -> None:
     """Hands the free pages of glibc's arenas back to the system (``malloc_trim``); nothing elsewhere."""
     if _GLIBC is not None:
         _GLIBC.malloc_trim(ctypes.c_size_t(0))
+
+
+TRIM_EVERY_S = 0.5  # how often free pages go back while a round reduces (trimming)
+
+
+class Trimming:
+    """While at least one round reduces (``with trimming:``), hands glibc's free pages back every
+    ``every_s`` on a thread of its own: the pieces a round allocates and frees on a dozen threads
+    leave its arenas fragmented, and what they free would stay resident until the round ends."""
+
+    def __init__(self, every_s: float = TRIM_EVERY_S):
+        self.every_s = every_s
+        self.trims = 0
+        self._rounds = 0
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> Trimming:
+        with self._cond:
+            self._rounds += 1
+            if self._thread is None and _GLIBC is not None:
+                self._thread = threading.Thread(target=self._run, daemon=True, name="malloc-trim")
+                self._thread.start()
+            self._cond.notify_all()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._cond:
+            self._rounds -= 1
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._rounds == 0:
+                    self._cond.wait()
+                self._cond.wait(self.every_s)
+                if self._rounds == 0:
+                    continue
+            release_free_memory()
+            self.trims += 1
+
+
+trimming = Trimming()  # the process's one trimmer, shared by its collectives

@@ -37,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from lowcomm.collectives.allocator import trimming
 from lowcomm.collectives.base import Collective, CollectiveError, FutureHandle, GroupKey, RoundResult
 from lowcomm.collectives.manifest import Manifest, ManifestAgreement
 from lowcomm.collectives.combiners import DenseMean
@@ -158,6 +159,10 @@ class ShardedReduce(ShardFetching, ReduceServing, Collective):
             return manifest
 
     def _run(self, key: GroupKey, round_: int, payload, weight: float) -> RoundResult:
+        with trimming:  # the pieces' freed memory goes back while the round reduces (collectives.allocator)
+            return self._reduce(key, round_, payload, weight)
+
+    def _reduce(self, key: GroupKey, round_: int, payload, weight: float) -> RoundResult:
         t0 = time.monotonic()
         self.slots.reach(key.group, round_)
         manifest = self._manifest_for(key, round_)
