@@ -159,7 +159,8 @@ class ShardedReduce(ShardFetching, ReduceServing, Collective):
             return manifest
 
     def _run(self, key: GroupKey, round_: int, payload, weight: float) -> RoundResult:
-        with trimming:  # the pieces' freed memory goes back while the round reduces (collectives.allocator)
+        nbytes = 4 * payload.numel() if isinstance(payload, torch.Tensor) else 0
+        with trimming.round(nbytes):  # the pieces' freed memory goes back while it reduces (collectives.allocator)
             return self._reduce(key, round_, payload, weight)
 
     def _reduce(self, key: GroupKey, round_: int, payload, weight: float) -> RoundResult:

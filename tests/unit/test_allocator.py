@@ -8,6 +8,7 @@ import platform
 import pytest
 
 from children import wait_until
+from lowcomm.collectives import allocator
 from lowcomm.collectives.allocator import Trimming, tune_allocator
 
 GLIBC = platform.libc_ver()[0] == "glibc"
@@ -18,12 +19,14 @@ def test_glibc_takes_the_arena_cap():
 
 
 @pytest.mark.skipif(not GLIBC, reason="malloc_trim is glibc's")
-def test_free_pages_go_back_while_rounds_reduce_on_one_thread():
-    trimming = Trimming(every_s=0.01)
-    with trimming:
+def test_free_pages_go_back_once_a_round_grows_past_its_bound(monkeypatch):
+    monkeypatch.setattr(allocator, "TRIM_FLOOR_BYTES", 1 << 20)
+    trimming = Trimming(look_s=0.01)
+    with trimming.round(0):
         thread = trimming._thread
-        with trimming:  # two rounds at once (the overlap): one trimmer
-            wait_until(lambda: trimming.trims >= 2, 10, "two trims while two rounds reduce")
-        wait_until(lambda: trimming.trims >= 4, 10, "two more while one still does")
-    with trimming:
+        with trimming.round(0):  # two rounds at once (the overlap): one trimmer
+            grown = bytearray(b"x" * (16 << 20))  # resident: 16 MiB past both rounds' start
+            wait_until(lambda: trimming.trims >= 1, 10, "a trim past the bound")
+        del grown
+    with trimming.round(1 << 30):
         assert trimming._thread is thread and thread.daemon
