@@ -9,9 +9,12 @@ glibc also raises its mmap threshold to the size of each large block freed, so a
 round the pieces come from the arenas too, and what a round freed stays in them: the worker grew
 by about one payload a round, to 7.9 in its fourth. A fixed threshold would map every piece on its
 own and give it back when freed (4.2 in the fourth round), at 12% more CPU per round and 0.74
-efficiency instead of 0.83; instead, collectives.held_shards hands the arenas' free pages back once
-a round (``malloc_trim``) as it spools the rounds below the newest (experiments/RESULTS.md, "Held
-rounds on disk"). Other C libraries are left as they are.
+efficiency instead of 0.83. Instead the arenas' free pages go back (``malloc_trim``) when a round's
+process grows past a bound (``Trimming``, used by collectives.sharded_reduce) and once a round is
+spooled or its slots dropped (collectives.held_shards). At a worker's peak glibc's arenas held
+0.3-0.6 of a payload in live blocks and 1.2-3.6 in free ones; with the bound the fourth round
+peaked at 3.7-4.1 instead of 5.2-5.3, at the same CPU (experiments/RESULTS.md, "Held values and
+trimming"). Other C libraries are left as they are.
 """
 
 from __future__ import annotations
