@@ -61,7 +61,7 @@ def release_free_memory() -> None:
 
 
 TRIM_LOOK_S = 0.1  # how often a reducing round's resident memory is looked at (trimming)
-TRIM_ABOVE = 1.5  # free pages go back once it grew this many payloads past the round's start ...
+TRIM_ABOVE = 1.5  # free pages go back once it grew this many payloads past the least a round started at ...
 TRIM_FLOOR_BYTES = 64 << 20  # ... and at least this many bytes: a small model's rounds never pay for it
 
 
@@ -76,12 +76,13 @@ def resident_bytes() -> int:
 
 class Trimming:
     """While rounds reduce (``with trimming.round(payload_bytes):``), hands glibc's free pages back
-    whenever the process grew more than TRIM_ABOVE payloads (at least TRIM_FLOOR_BYTES) past its
-    size when the round started, looked at every ``look_s`` on a thread of its own. The pieces a
-    round allocates and frees on a dozen threads leave glibc's arenas fragmented, and what they free
-    would stay resident until the round ends; trimming at every look would cost a page fault for
-    every page reused (15% more CPU per round in the 64 MB benchmark), so only growth past the
-    bound pays for it."""
+    whenever the process grew more than TRIM_ABOVE payloads (at least TRIM_FLOOR_BYTES) past the
+    least resident size a round started at, looked at every ``look_s`` on a thread of its own; after
+    a trim, not again until it grew by half the floor. The pieces a round allocates and frees on a
+    dozen threads leave glibc's arenas fragmented, and what they free would stay resident until the
+    round ends. Trimming every 0.5 s cost 7-17% more CPU per round in the 64 MB benchmark (each
+    trimmed page is faulted in again when reused), so only growth past the bound pays for it; a
+    bound from each round's own start would follow what the rounds before left behind."""
 
     def __init__(self, look_s: float = TRIM_LOOK_S):
         self.look_s = look_s

@@ -86,7 +86,7 @@ class _Spooled:
     def read(self):
         if self.values is not None:
             (offset, length), = self.spans
-            values = torch.empty(length // 4)
+            values = torch.empty(length // 4, dtype=torch.float32)
             if os.preadv(self.file.fileno(), [memoryview(values.numpy()).cast("B")], offset) != length:
                 raise OSError(f"spool file ended before the {length} bytes of a held shard's values")
             return HeldValues(values, self.values.encode, self.values.bounds, alias=False).pieces()
