@@ -262,7 +262,12 @@ class LowcommWorker:
             "contributors": result.contributors, "participants": result.participants,
             "agreement_s": result.info["manifest_s"], "transfer_s": result.info["reduce_s"],
             "leader": result.info["leader"], "lost_shards": result.info["lost_shards"],
-            "grpc_bytes_sent": self.traffic.sent - bytes_before}
+            "grpc_bytes_sent": self.traffic.sent - bytes_before,
+            "most_waiting_pieces": max((getattr(slot, "most_waiting", 0) for slot in self._slots(round_)), default=0)}
+
+    def _slots(self, round_: int) -> list:
+        """The owner slots of ``round_`` this worker opened (a diagnostic: how many pieces waited in them)."""
+        return [slot for (_, r), slot in list(self.collective.slots._slots.items()) if r == round_]
 
     def close(self) -> None:
         self._stop.set()

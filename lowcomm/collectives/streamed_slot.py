@@ -64,6 +64,8 @@ class StreamedSlot:
         self._left: set[str] = set()
         self._reduced: list[bytes] = []
         self.released = False  # the reduced pieces were dropped (release)
+        self._waiting = 0  # members' decoded pieces waiting for the others' same piece
+        self.most_waiting = 0  # the most at once (a slower member holds the others' pieces here)
         self.aborted: str | None = None
         self.clip = clip
         self._norms: dict[str, float] = {}  # declared
@@ -101,6 +103,9 @@ class StreamedSlot:
             if self.clip:
                 self._measure(sender, c, values)
             self._pending[c][sender] = values
+            if sender != self.owner:  # the owner's own pieces are views of its payload
+                self._waiting += 1
+                self.most_waiting = max(self.most_waiting, self._waiting)
             self._next[sender] = c + 1
             self._advance()
 
@@ -203,5 +208,6 @@ class StreamedSlot:
                      for s in senders]
             mean = weighted_mean(parts) if parts else torch.zeros(end - start)
             self._reduced.append(self._codec.encode(mean))
+            self._waiting -= sum(1 for sender in self._pending[c] if sender != self.owner)
             self._pending[c] = {}
             self.cond.notify_all()

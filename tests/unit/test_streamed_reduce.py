@@ -208,7 +208,7 @@ def test_a_member_that_stops_mid_part_is_left_out_of_the_pieces_after_it():
     slot.add("b", 0, torch.full((16384,), 3.0))
     slot.leave_out("b")  # its stream broke after piece 0
     pieces, contributors = slot.result()
-    assert contributors == ["a"]
+    assert contributors == ["a"] and slot.most_waiting == 1  # b's piece 0 waited for nothing but itself
     decoded = [get_codec("fp32").decode(p) for p in pieces]
     assert torch.equal(decoded[0], torch.full((16384,), 2.0))
     assert all(torch.equal(d, torch.ones_like(d)) for d in decoded[1:])
