@@ -13,7 +13,7 @@ efficiency instead of 0.83. Instead the arenas' free pages go back (``malloc_tri
 process grows past a bound (``Trimming``, used by collectives.sharded_reduce) and once a round is
 spooled or its slots dropped (collectives.held_shards). At a worker's peak glibc's arenas held
 0.3-0.6 of a payload in live blocks and 1.2-3.6 in free ones; with the bound the fourth round
-peaked at 3.7-4.1 instead of 5.2-5.3, at the same CPU (experiments/RESULTS.md, "Held values and
+peaked at 3.7-4.2 instead of 5.2-5.3, at the same CPU (experiments/RESULTS.md, "Held values and
 trimming"). Other C libraries are left as they are.
 """
 
