@@ -28,8 +28,6 @@ a hash of the whole result tells whether all workers hold the same bytes.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import hashlib
 import json
 import os
@@ -43,6 +41,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from lowcomm.collectives.allocator import heap_stats, resident_bytes  # noqa: E402  (after REPO on the path)
 
 BLOCK = 1 << 20  # elements per seeded block (4 MB)
 CHECK_BLOCKS = 16  # blocks checked against the true mean, at most (64 MB of float32)
@@ -97,59 +97,27 @@ def check_mean(result: torch.Tensor, workers: list[int], seed: int, round_: int)
             "result_hash": hashlib.blake2b(result.numpy().data, digest_size=12).hexdigest()}  # no copy of S
 
 
-def rss_bytes() -> int:
-    """This process's resident memory now."""
-    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-def _mallinfo2():
-    """glibc's mallinfo2 (2.33 and later), else None."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        function = libc.mallinfo2
-    except (OSError, AttributeError, TypeError):
-        return None
-    function.restype = _MallInfo2
-    return function
-
-
-MALLINFO2 = _mallinfo2()
-
-
-def heap_bytes() -> dict:
-    """What glibc's malloc holds now: in use in its arenas, free in them, and mapped on its own."""
-    if MALLINFO2 is None:
-        return {}
-    info = MALLINFO2()
-    return {"heap_in_use": info.uordblks, "heap_free": info.fordblks, "mapped": info.hblkhd}
-
-
 class PeakRss:
     """The most resident memory this process held while inside the block (sampled every 5 ms), and what
     glibc's malloc held at that moment (``at_peak``: in its arenas, free in them, mapped on its own)."""
 
     def __enter__(self):
-        self.peak, self._stop = rss_bytes(), threading.Event()
-        self.at_peak = heap_bytes()
+        self.peak, self._stop = resident_bytes(), threading.Event()
+        self.at_peak = heap_stats()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
         return self
 
     def _sample(self) -> None:
         while not self._stop.wait(0.005):
-            rss = rss_bytes()
+            rss = resident_bytes()
             if rss > self.peak:
-                self.peak, self.at_peak = rss, heap_bytes()
+                self.peak, self.at_peak = rss, heap_stats()
 
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, rss_bytes())
+        self.peak = max(self.peak, resident_bytes())
 
 
 # ---- the barrier --------------------------------------------------------------------------------
@@ -371,8 +339,8 @@ def work(args) -> None:
         wait_for(args.dir / f"id-{i}")
     index_of = {(args.dir / f"id-{i}").read_text(): i for i in range(args.peers)}
     rounds = []
-    baseline = rss_bytes()  # set up, connected, no input yet: what the round's memory is counted above
-    baseline_heap = heap_bytes()
+    baseline = resident_bytes()  # set up, connected, no input yet: what the round's memory is counted above
+    baseline_heap = heap_stats()
     for round_ in range(args.rounds):
         tensor = make_input(args.seed, args.index, round_, args.numel)
         worker.prepare(tensor)

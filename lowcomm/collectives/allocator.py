@@ -60,6 +60,22 @@ def release_free_memory() -> None:
         _GLIBC.malloc_trim(ctypes.c_size_t(0))
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def heap_stats() -> dict:
+    """What glibc's malloc holds now (``mallinfo2``, glibc 2.33 on): in use in its arenas, free in them,
+    and mapped on its own; {} elsewhere. A diagnostic: it takes every arena's lock."""
+    mallinfo2 = getattr(_GLIBC, "mallinfo2", None)
+    if mallinfo2 is None:
+        return {}
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return {"heap_in_use": info.uordblks, "heap_free": info.fordblks, "mapped": info.hblkhd}
+
+
 TRIM_LOOK_S = 0.1  # how often a reducing round's resident memory is looked at (trimming)
 TRIM_ABOVE = 1.5  # free pages go back once it grew this many payloads past the least a round started at ...
 TRIM_FLOOR_BYTES = 64 << 20  # ... and at least this many bytes: a small model's rounds never pay for it

@@ -76,20 +76,21 @@ def size(blob) -> int:
 
 @dataclass
 class _Spooled:
-    """A reply in a round's spool file: where its bytes are, and whether they were Pieces or values
-    (``values``: the HeldValues they were, for its encoder and piece bounds)."""
+    """A reply in a round's spool file: where its bytes are, and whether they were Pieces or (with
+    ``encode`` and ``bounds``, those of the HeldValues they were) float32 values."""
     file: object
     spans: list[tuple[int, int]]  # (offset, length) of the blob, of each piece, or of the values
     pieces: bool
-    values: HeldValues | None = None  # without its tensor
+    encode: Callable[[torch.Tensor], bytes] | None = None
+    bounds: list[tuple[int, int]] | None = None
 
     def read(self):
-        if self.values is not None:
+        if self.encode is not None:
             (offset, length), = self.spans
             values = torch.empty(length // 4, dtype=torch.float32)
             if os.preadv(self.file.fileno(), [memoryview(values.numpy()).cast("B")], offset) != length:
                 raise OSError(f"spool file ended before the {length} bytes of a held shard's values")
-            return HeldValues(values, self.values.encode, self.values.bounds, alias=False).pieces()
+            return HeldValues(values, self.encode, self.bounds, alias=False).pieces()
         parts = [os.pread(self.file.fileno(), length, offset) for offset, length in self.spans]
         for (_, length), part in zip(self.spans, parts):
             if len(part) != length:
@@ -155,14 +156,7 @@ class HeldShards:
             self._settled.add((group, round_))
             todo = {k: h for k, h in self._held.items()
                     if k[:2] == (group, round_) and isinstance(h.blob, HeldValues) and h.blob.alias}
-            written = {}
-            if sum(h.nbytes for h in todo.values()) >= SPOOL_MIN_BYTES:
-                try:
-                    file = tempfile.TemporaryFile(prefix="lowcomm-held-", dir=SPOOL_DIR)
-                    written = {key: _write(file, held.blob) for key, held in todo.items()}
-                except OSError as e:
-                    logger.warning("spooling round %d's shards failed, they stay in memory: %s", round_, e)
-                    written = {}
+            written = _spool_file(round_, todo) if sum(h.nbytes for h in todo.values()) >= SPOOL_MIN_BYTES else {}
             for key, held in todo.items():
                 held.blob = written.get(key) or held.blob.copy()
 
@@ -192,14 +186,8 @@ class HeldShards:
             with self._lock:
                 todo = {k: h for k, h in self._held.items()
                         if k[:2] == (group, round_) and not isinstance(h.blob, _Spooled)}
-            if not todo:
-                continue
-            try:
-                # unlinked at once: the file is gone with the last reference to it (the round's last reply)
-                file = tempfile.TemporaryFile(prefix="lowcomm-held-", dir=SPOOL_DIR)
-                written = {key: _write(file, held.blob) for key, held in todo.items()}
-            except OSError as e:  # a full disk: the round stays in memory
-                logger.warning("spooling round %d's shards failed, they stay in memory: %s", round_, e)
+            written = _spool_file(round_, todo) if todo else {}
+            if not written:
                 continue
             with self._lock:
                 for key, spooled in written.items():
@@ -214,12 +202,24 @@ class HeldShards:
             self._held.clear()
 
 
+def _spool_file(round_: int, todo: dict) -> dict:
+    """``todo``'s replies written to a new spool file of the round's own: {key: _Spooled}, or {} if the disk
+    refused (the round stays in memory). The file is unlinked at once: it is gone with the last reference
+    to it (the round's last reply)."""
+    try:
+        file = tempfile.TemporaryFile(prefix="lowcomm-held-", dir=SPOOL_DIR)
+        return {key: _write(file, held.blob) for key, held in todo.items()}
+    except OSError as e:  # a full disk
+        logger.warning("spooling round %d's shards failed, they stay in memory: %s", round_, e)
+        return {}
+
+
 def _write(file, blob) -> _Spooled:
     if isinstance(blob, HeldValues):
         offset, data = file.seek(0, os.SEEK_END), memoryview(blob.values.contiguous().numpy()).cast("B")
         file.write(data)
         file.flush()
-        return _Spooled(file, [(offset, len(data))], False, HeldValues(torch.empty(0), blob.encode, blob.bounds, False))
+        return _Spooled(file, [(offset, len(data))], False, blob.encode, blob.bounds)
     spans = []
     for part in (list(blob) if isinstance(blob, tuple) else [blob]):
         spans.append((file.seek(0, os.SEEK_END), len(part)))
