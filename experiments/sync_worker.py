@@ -222,7 +222,7 @@ class LowcommWorker:
     def average(self, round_: int) -> tuple[torch.Tensor, dict]:
         bytes_before = self.traffic.sent
         t_start = time.time()
-        handle = self.collective.start(self.key, round_, self.tensor, 1.0)
+        handle = self.collective.start(self.key, round_, self.tensor, 1.0, donate=True)  # as a training peer's Δ
         result = handle.result(self.sync.reduce_timeout_s * 3 + 60)
         t_end = time.time()
         return result.aggregate, {

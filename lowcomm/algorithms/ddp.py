@@ -37,7 +37,7 @@ class DataParallel(PerStepReplica):
 
     def sync(self, round_: int, weight: float, timeout: float | None = None) -> RoundResult:
         """Replaces every local gradient by the agreed mean; the caller then steps the optimizer."""
-        result = self.collective.start(self.key, round_, self.flat_gradient(), weight).result(timeout)
+        result = self.collective.start(self.key, round_, self.flat_gradient(), weight, donate=True).result(timeout)
         offset = 0
         for p in self.model.parameters():
             p.grad = result.aggregate[offset:offset + p.numel()].reshape(p.shape).to(p.device, p.dtype)

@@ -55,7 +55,8 @@ class DiLoCo(OuterReplica):
                                      nesterov=config.nesterov and config.outer_momentum > 0)
 
     def start_sync_delta(self, round_: int, delta: list[torch.Tensor], weight: float):
-        return self.collective.start(self.key, round_, torch.cat([d.reshape(-1) for d in delta]), weight)
+        # the concatenation is the round's own: its aggregate is built in it
+        return self.collective.start(self.key, round_, torch.cat([d.reshape(-1) for d in delta]), weight, donate=True)
 
     def step_outer(self, result: RoundResult) -> None:
         """φ ← OuterSGD(φ, grad = the agreed aggregate)."""

@@ -131,7 +131,8 @@ class StreamingDiLoCo(DiLoCo):
                           for i in self.members[fragment]])
 
     def start_sync(self, round_: int, weight: float):
-        return self.collective.start(self.key, round_, self.fragment_pseudo_gradient(self.fragment_of(round_)), weight)
+        delta = self.fragment_pseudo_gradient(self.fragment_of(round_))  # the round's own: its aggregate is built in it
+        return self.collective.start(self.key, round_, delta, weight, donate=True)
 
     def finish_sync(self, round_: int, handle, timeout: float | None = None) -> RoundResult:
         result = handle.result(timeout)

@@ -77,7 +77,8 @@ def heap_stats() -> dict:
 
 
 TRIM_LOOK_S = 0.1  # how often a reducing round's resident memory is looked at (trimming)
-TRIM_ABOVE = 1.5  # free pages go back once it grew this many payloads past the least a round started at ...
+TRIM_ABOVE = 0.5  # free pages go back once it grew this many payloads past the least a round started at and
+#                   what the round allocates for its aggregate ...
 TRIM_FLOOR_BYTES = 64 << 20  # ... and at least this many bytes: a small model's rounds never pay for it
 
 
@@ -91,9 +92,9 @@ def resident_bytes() -> int:
 
 
 class Trimming:
-    """While rounds reduce (``with trimming.round(payload_bytes):``), hands glibc's free pages back
-    whenever the process grew more than TRIM_ABOVE payloads (at least TRIM_FLOOR_BYTES) past the
-    least resident size a round started at, looked at every ``look_s`` on a thread of its own; after
+    """While rounds reduce (``with trimming.round(payload_bytes, allocates):``), hands glibc's free pages
+    back whenever the process grew more than its result's bytes and TRIM_ABOVE payloads (at least
+    TRIM_FLOOR_BYTES) past the least resident size a round started at, looked at every ``look_s`` on a thread of its own; after
     a trim, not again until it grew by half the floor. The pieces a round allocates and frees on a
     dozen threads leave glibc's arenas fragmented, and what they free would stay resident until the
     round ends. Trimming every 0.5 s cost 7-17% more CPU per round in the 64 MB benchmark (each
@@ -110,11 +111,14 @@ class Trimming:
         self._thread: threading.Thread | None = None
 
     @contextlib.contextmanager
-    def round(self, payload_bytes: int):
+    def round(self, payload_bytes: int, allocates: int | None = None):
+        """``allocates``: the bytes the round allocates for its result (default: ``payload_bytes``; none when
+        it reduces into a donated payload)."""
         token = object()
+        allocates = payload_bytes if allocates is None else allocates
         with self._cond:
             self._least = min(self._least, resident_bytes())  # before what earlier rounds left in the arenas
-            ceiling = self._least + max(int(TRIM_ABOVE * payload_bytes), TRIM_FLOOR_BYTES)
+            ceiling = self._least + allocates + max(int(TRIM_ABOVE * payload_bytes), TRIM_FLOOR_BYTES)
             self._ceilings[id(token)] = ceiling
             if self._thread is None and _GLIBC is not None:
                 self._thread = threading.Thread(target=self._run, daemon=True, name="malloc-trim")

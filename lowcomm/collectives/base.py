@@ -1,6 +1,6 @@
 """The collective interface every algorithm and the runtime talk to.
 
-    handle = collective.start(group_key, round, payload, weight)
+    handle = collective.start(group_key, round, payload, weight)   # donate=True: payload may hold the result
     aggregate, contributors = handle.result(deadline)
 
 `aggregate` is the weighted mean of the contributions that made it into the round (or what the
@@ -100,9 +100,11 @@ class Collective(ABC):
     before_send: Callable[[int], None] | None = None
 
     @abstractmethod
-    def start(self, key: GroupKey, round_: int, payload: Any, weight: float = 1.0) -> Handle:
+    def start(self, key: GroupKey, round_: int, payload: Any, weight: float = 1.0, donate: bool = False) -> Handle:
         """Contributes ``payload`` (a flat tensor, or what the collective's combiner encodes) with
         ``weight`` (tokens) to ``round_``; the handle's result is the round's aggregate.
+        ``donate``: the caller reads ``payload`` no more, so the collective may build the aggregate in its
+        memory (as torch.distributed's all_reduce does; ShardedReduce's streamed rounds do, others need not).
         Raises ``NotInRound`` (from the handle) when this peer is not a member of the round."""
 
     @abstractmethod

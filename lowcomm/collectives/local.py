@@ -169,7 +169,7 @@ class LocalCollective(Collective):
         self.me = me
         self.before_send = None
 
-    def start(self, key: GroupKey, round_: int, payload, weight: float = 1.0) -> FutureHandle:
+    def start(self, key: GroupKey, round_: int, payload, weight: float = 1.0, donate: bool = False) -> FutureHandle:
         if isinstance(payload, torch.Tensor):
             payload = payload.detach().reshape(-1).to(torch.float32).cpu()
         return FutureHandle(self.group._pool.submit(self.group._run, self.me, key, round_, payload, float(weight),
@@ -238,7 +238,7 @@ class InProcessCollective(Collective):
         self.index = index
         self.me = f"replica-{index}"
 
-    def start(self, key: GroupKey, round_: int, payload: torch.Tensor, weight: float = 1.0):
+    def start(self, key: GroupKey, round_: int, payload: torch.Tensor, weight: float = 1.0, donate: bool = False):
         return self.group._submit(self.index, key, round_, payload, weight)
 
     def catch_up(self, key: GroupKey, round_: int, numel: int, manifest) -> RoundResult:

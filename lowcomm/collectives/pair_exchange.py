@@ -102,8 +102,10 @@ class PairExchange(Collective):
 
     # ---- the caller's side ----------------------------------------------------------------
 
-    def start(self, key: GroupKey, round_: int, tensors: Sequence[torch.Tensor], weight: float = 1.0) -> FutureHandle:
-        """``tensors``: this member's contribution, shaped as ``shapes``. NoLoCo's mean is unweighted."""
+    def start(self, key: GroupKey, round_: int, tensors: Sequence[torch.Tensor], weight: float = 1.0,
+              donate: bool = False) -> FutureHandle:
+        """``tensors``: this member's contribution, shaped as ``shapes``. NoLoCo's mean is unweighted; the
+        group's mean is a tensor of its own (``donate`` changes nothing)."""
         tensors = [t.detach().to("cpu", torch.float32) for t in tensors]
         channel = (key.run, key.group)
         self.inbox.enter(channel, round_)  # before announcing: a fast mate's push is buffered, not refused

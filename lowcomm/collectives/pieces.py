@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
 
@@ -29,6 +30,7 @@ from lowcomm.proto import wire_pb2
 from lowcomm.transport.signing import Signer, Unauthenticated, Verifier, digest, signed_bytes
 from lowcomm.transport.wire import MAX_CHUNK_BYTES
 
+T = TypeVar("T")
 PIECE_KIND = "reduce-piece"  # what a piece's signature says it is
 MIN_PIECE_ELEMS = 1 << 14  # 64 KiB of float32: a piece's signature stays a small share of its bytes
 PIECE_SLACK_BYTES = 4 << 10  # a piece's codec frame beyond 4 bytes per element (header, zstd's worst case)
@@ -49,13 +51,43 @@ class Sink:
 class AggregateSlices:
     """A streamed round's aggregate, one slice per shard, each written only by the reader that holds it
     now: a reader that timed out and was replaced (by a hole filler, by zeros for a lost shard, or by
-    the round's end) writes nothing more, so no late reply reaches values the round already gave out."""
+    the round's end) writes nothing more, so no late reply reaches values the round already gave out.
 
-    def __init__(self, numel: int, bounds: list[tuple[int, int]]):
-        self.tensor = torch.empty(numel)
+    Built on a donated payload (``into``: Collective.start's ``donate``), a shard's slice is also this
+    member's part of that shard, which is read piece by piece as it is sent (``read_part``). An honest owner
+    replies piece c only after it has this member's piece c, so a reply never overtakes the part. A
+    write that would (a reply ahead of the part, a hole filled or zeroed while the part still streams)
+    first ends the part: its next read raises Superseded, so no aggregate value is ever sent as a part
+    (an owner's own part is not sent: its slot holds views of it until the shard is reduced)."""
+
+    def __init__(self, numel: int, bounds: list[tuple[int, int]], into: torch.Tensor | None = None):
+        if into is not None and (into.numel() != numel or into.dtype != torch.float32 or not into.is_contiguous()):
+            raise ValueError("a donated payload must be a contiguous float32 tensor of the aggregate's size")
+        self.tensor = torch.empty(numel) if into is None else into
+        self.donated = into is not None
         self._bounds = bounds
         self._holders: list[object | None] = [None] * len(bounds)
         self._lock = threading.Lock()
+        self._parts = [threading.Lock() for _ in bounds]  # taken before self._lock
+        self._read = [0] * len(bounds)  # donated: the elements of each shard's part read so far
+        self._ended = [False] * len(bounds)
+
+    def read_part(self, shard: int, read: Callable[[], T], upto: int) -> T:
+        """``read()`` of this member's part of ``shard`` as it is sent, ``upto`` the shard-relative element it
+        reads to; on a donated payload, refused (Superseded) once a write reached past what the part read."""
+        if not self.donated:
+            return read()
+        with self._parts[shard]:
+            if self._ended[shard]:
+                raise Superseded(f"shard {shard}: its aggregate was written before this member's part was sent")
+            result = read()
+            self._read[shard] = max(self._read[shard], upto)
+            return result
+
+    def _reaching(self, shard: int, end: int) -> None:
+        """Under ``self._parts[shard]``: a write up to ``end`` ends a part not yet read that far."""
+        if self.donated and self._read[shard] < end:
+            self._ended[shard] = True
 
     def sink(self, shard: int) -> Sink:
         """A new reader of ``shard``; whoever held it before writes no more."""
@@ -64,19 +96,23 @@ class AggregateSlices:
             self._holders[shard] = token
 
         def write(start: int, end: int, values: torch.Tensor) -> None:
-            with self._lock:
-                if self._holders[shard] is not token:
-                    raise Superseded(f"shard {shard}: a later reader took it over, or its round ended")
-                self.tensor[a + start:a + end].copy_(values)
+            with self._parts[shard]:
+                self._reaching(shard, end)
+                with self._lock:
+                    if self._holders[shard] is not token:
+                        raise Superseded(f"shard {shard}: a later reader took it over, or its round ended")
+                    self.tensor[a + start:a + end].copy_(values)
 
         return Sink(self.tensor[a:b], write)
 
     def zero(self, shard: int) -> torch.Tensor:
         """A lost shard: zeros, and no reader writes it any more."""
         a, b = self._bounds[shard]
-        with self._lock:
-            self._holders[shard] = None
-            return self.tensor[a:b].zero_()
+        with self._parts[shard]:
+            self._reaching(shard, b - a)
+            with self._lock:
+                self._holders[shard] = None
+                return self.tensor[a:b].zero_()
 
     def close(self) -> torch.Tensor:
         """The round's values: no reader writes them any more."""

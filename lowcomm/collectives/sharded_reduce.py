@@ -42,8 +42,8 @@ from lowcomm.collectives.base import Collective, CollectiveError, FutureHandle, 
 from lowcomm.collectives.manifest import Manifest, ManifestAgreement
 from lowcomm.collectives.combiners import DenseMean
 from lowcomm.collectives.held_shards import HeldValues
-from lowcomm.collectives.pieces import (AggregateSlices, Pieces, Sink, decode_pieces, part_pieces, piece_bounds,
-                                        piece_elems)
+from lowcomm.collectives.pieces import (AggregateSlices, Pieces, Sink, Superseded, decode_pieces, part_pieces,
+                                        piece_bounds, piece_elems)
 from lowcomm.collectives.reduce_messages import part_chunks
 from lowcomm.collectives.reduce_owner import ContributionRejected, OwnerSlots, Slot, check_finite, validate_weight
 from lowcomm.collectives.reduce_serving import PER_SENDER_CALLS, STRANGER_CALLS, ReduceServing
@@ -113,11 +113,14 @@ class ShardedReduce(ShardFetching, ReduceServing, Collective):
 
     # ---- the caller's side ----------------------------------------------------------------
 
-    def start(self, key: GroupKey, round_: int, payload, weight: float = 1.0) -> FutureHandle:
-        """``payload``: a tensor (dense combiners) or what the combiner encodes (e.g. blobs per parameter)."""
+    def start(self, key: GroupKey, round_: int, payload, weight: float = 1.0, donate: bool = False) -> FutureHandle:
+        """``payload``: a tensor (dense combiners) or what the combiner encodes (e.g. blobs per parameter).
+        ``donate``: a streamed round decodes the aggregate into the payload's flat float32 values (the
+        payload itself when it is a contiguous float32 CPU tensor): no second payload-sized buffer."""
         if isinstance(payload, torch.Tensor):
             payload = payload.detach().reshape(-1).to(torch.float32).cpu()
-        future = self._pool.submit(self._run, key, round_, payload, float(weight))
+        donate = donate and isinstance(payload, torch.Tensor) and self.streams
+        future = self._pool.submit(self._run, key, round_, payload, float(weight), donate)
         return FutureHandle(future)
 
     def announce_ahead(self, key: GroupKey, round_: int) -> None:
@@ -158,12 +161,13 @@ class ShardedReduce(ShardFetching, ReduceServing, Collective):
                 self._strangers.learn(key.group, manifest.members)
             return manifest
 
-    def _run(self, key: GroupKey, round_: int, payload, weight: float) -> RoundResult:
+    def _run(self, key: GroupKey, round_: int, payload, weight: float, donate: bool) -> RoundResult:
         nbytes = 4 * payload.numel() if isinstance(payload, torch.Tensor) else 0
-        with trimming.round(nbytes):  # the pieces' freed memory goes back while it reduces (collectives.allocator)
-            return self._reduce(key, round_, payload, weight)
+        # the pieces' freed memory goes back while it reduces (collectives.allocator)
+        with trimming.round(nbytes, allocates=0 if donate else nbytes):
+            return self._reduce(key, round_, payload, weight, donate)
 
-    def _reduce(self, key: GroupKey, round_: int, payload, weight: float) -> RoundResult:
+    def _reduce(self, key: GroupKey, round_: int, payload, weight: float, donate: bool = False) -> RoundResult:
         t0 = time.monotonic()
         self.slots.reach(key.group, round_)
         manifest = self._manifest_for(key, round_)
@@ -173,8 +177,8 @@ class ShardedReduce(ShardFetching, ReduceServing, Collective):
         deadline = t_manifest + self.sync.reduce_timeout_s
         numel = self.combiner.numel(payload)
         bounds = self.combiner.shard_bounds(len(manifest.owners), numel)
-        # a streamed round's shards are decoded straight into the aggregate, as they arrive
-        out = AggregateSlices(numel, bounds) if self.streams else None
+        # a streamed round's shards are decoded straight into the aggregate (the donated payload), as they arrive
+        out = AggregateSlices(numel, bounds, into=payload if donate else None) if self.streams else None
 
         def sink(j: int) -> Sink | None:  # a new reader of shard j: the one before writes no more
             return out.sink(j) if out is not None else None
@@ -192,7 +196,7 @@ class ShardedReduce(ShardFetching, ReduceServing, Collective):
                 self._add_own(slot, payload, bounds[j], weight)
             else:
                 sends[j] = self._pool.submit(self._send, manifest, key, round_, j, payload, weight, bounds[j],
-                                             deadline, sink(j))
+                                             deadline, sink(j), out)
         replies: dict[int, ShardReply] = {}
         timed_out = set()
         if my_shard is not None:
@@ -292,17 +296,23 @@ class ShardedReduce(ShardFetching, ReduceServing, Collective):
             raise CollectiveError(f"round {round_}: this owner's own reply is unreadable: {e}") from None
 
     def _send(self, manifest: Manifest, key: GroupKey, round_: int, shard: int, payload, weight: float,
-              bounds: tuple[int, int], deadline: float, out: Sink | None) -> ShardReply:
+              bounds: tuple[int, int], deadline: float, out: Sink | None,
+              slices: AggregateSlices | None = None) -> ShardReply:
+        """``slices``: the round's aggregate, through which a donated payload's part is read (read_part)."""
         owner = manifest.owners[shard]
         stub = self.channels.stub(manifest.endpoints[owner])
         header = dict(run_id=key.run, group=key.group, round=round_, epoch=manifest.round, shard=shard, weight=weight,
                       codec=self.codec, manifest=manifest.digest)
         if self.streams:  # each piece encoded as it is sent (a clipping owner's lossy pieces: first, for the norm)
+            def read(fn, upto: int):
+                return slices.read_part(shard, fn, upto) if slices is not None else fn()
+
             blob, (norm, encoded) = None, (0.0, None)
             if self.combiner.clips:
-                norm, encoded = self.combiner.part_norm(payload, bounds, self.elems)
-            chunks = part_pieces(self.signer, header, lambda a, b: self.combiner.encode(payload, (bounds[0] + a,
-                                 bounds[0] + b)), bounds[1] - bounds[0], self.elems, norm, encoded)
+                norm, encoded = read(lambda: self.combiner.part_norm(payload, bounds, self.elems), 0)
+            chunks = _until_superseded(part_pieces(
+                self.signer, header, lambda a, b: read(lambda: self.combiner.encode(payload, (bounds[0] + a, bounds[0] + b)),
+                                                       b), bounds[1] - bounds[0], self.elems, norm, encoded))
         else:
             blob = self.combiner.encode(payload, bounds)
             chunks = part_chunks(self.signer, header, blob, self.sync.chunk_bytes)
@@ -327,3 +337,12 @@ class ShardedReduce(ShardFetching, ReduceServing, Collective):
                 raise CollectiveError(f"owner of shard {shard} did not send its aggregate")
         self.slots.hold(key.group, round_, shard, reply.blob, reply.contributors, manifest.digest)
         return reply
+
+
+def _until_superseded(chunks):
+    """A part's messages until its slice of a donated payload was overwritten (AggregateSlices): the part
+    ends short, and its owner leaves it out as it would a broken stream."""
+    try:
+        yield from chunks
+    except Superseded:
+        return

@@ -173,13 +173,14 @@ class ByzantineCollective(Collective):
     def __setattr__(self, name: str, value) -> None:  # before_send and the like land on the wrapped one
         setattr(self.inner, name, value)
 
-    def start(self, key: GroupKey, round_: int, payload: Any, weight: float = 1.0) -> Handle:
+    def start(self, key: GroupKey, round_: int, payload: Any, weight: float = 1.0, donate: bool = False) -> Handle:
         sent, claimed, tampered = self.attack.tamper(round_, payload, weight)
         if tampered:
             honest = _norm(payload) if isinstance(payload, torch.Tensor) else None
             lied = _norm(sent) if isinstance(sent, torch.Tensor) else None
             self.on_event("byzantine", round=int(round_), byzantine=self.attack.kind.value, weight=float(weight),
                           sent_weight=float(claimed), norm=honest, sent_norm=lied)
+        # not donated: a replaying attack keeps the payload it was given
         return _Watched(self.inner.start(key, round_, sent, claimed), self.attack)
 
     def catch_up(self, key: GroupKey, round_: int, numel: int, manifest):

@@ -174,8 +174,8 @@ def _config(**overrides):
 class _Scaled(LocalCollective):
     """A member that sends its Δ × 1e6 (an honest weight: the owner's weight bound does not catch it)."""
 
-    def start(self, key, round_, payload, weight: float = 1.0):
-        return super().start(key, round_, payload * 1e6, weight)
+    def start(self, key, round_, payload, weight: float = 1.0, donate: bool = False):
+        return super().start(key, round_, payload * 1e6, weight, donate)
 
 
 class _GroupWithOneHostileMember(LocalGroup):

@@ -178,7 +178,7 @@ class RecordingCollective:
     def __init__(self):
         self.calls = []
 
-    def start(self, key, round_, payload, weight=1.0):
+    def start(self, key, round_, payload, weight=1.0, donate=False):
         self.calls.append(("start", round_, payload.numel()))
         raise AssertionError("not used")
 
