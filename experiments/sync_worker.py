@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from lowcomm.collectives.allocator import heap_stats, resident_bytes  # noqa: E402  (after REPO on the path)
+from lowcomm.collectives.allocator import heap_stats, resident_bytes, trimming  # noqa: E402  (after REPO on the path)
 
 BLOCK = 1 << 20  # elements per seeded block (4 MB)
 CHECK_BLOCKS = 16  # blocks checked against the true mean, at most (64 MB of float32)
@@ -220,7 +220,7 @@ class LowcommWorker:
         self.tensor = tensor
 
     def average(self, round_: int) -> tuple[torch.Tensor, dict]:
-        bytes_before = self.traffic.sent
+        bytes_before, trims_before = self.traffic.sent, trimming.trims
         t_start = time.time()
         handle = self.collective.start(self.key, round_, self.tensor, 1.0, donate=True)  # as a training peer's Δ
         result = handle.result(self.sync.reduce_timeout_s * 3 + 60)
@@ -230,7 +230,7 @@ class LowcommWorker:
             "contributors": result.contributors, "participants": result.participants,
             "agreement_s": result.info["manifest_s"], "transfer_s": result.info["reduce_s"],
             "leader": result.info["leader"], "lost_shards": result.info["lost_shards"],
-            "grpc_bytes_sent": self.traffic.sent - bytes_before,
+            "grpc_bytes_sent": self.traffic.sent - bytes_before, "trims": trimming.trims - trims_before,
             "most_waiting_pieces": max((getattr(slot, "most_waiting", 0) for slot in self._slots(round_)), default=0)}
 
     def _slots(self, round_: int) -> list:

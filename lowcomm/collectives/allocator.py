@@ -93,19 +93,20 @@ def resident_bytes() -> int:
 
 class Trimming:
     """While rounds reduce (``with trimming.round(payload_bytes, allocates):``), hands glibc's free pages
-    back whenever the process grew more than its result's bytes and TRIM_ABOVE payloads (at least
-    TRIM_FLOOR_BYTES) past the least resident size a round started at, looked at every ``look_s`` on a thread of its own; after
-    a trim, not again until it grew by half the floor. The pieces a round allocates and frees on a
-    dozen threads leave glibc's arenas fragmented, and what they free would stay resident until the
-    round ends. Trimming every 0.5 s cost 7-17% more CPU per round in the 64 MB benchmark (each
-    trimmed page is faulted in again when reused), so only growth past the bound pays for it; a
-    bound from each round's own start would follow what the rounds before left behind."""
+    back whenever the process grew more than the round's result and TRIM_ABOVE payloads (at least
+    TRIM_FLOOR_BYTES) past the least resident size a round started at, looked at every ``look_s`` on
+    a thread of its own; after a trim, not again until it grew by half the floor past the least it
+    held since. The pieces a round allocates and frees on a dozen threads leave glibc's arenas
+    fragmented, and what they free would stay resident until the round ends. Trimming every 0.5 s
+    cost 7-17% more CPU per round in the 64 MB benchmark (each trimmed page is faulted in again when
+    reused), so only growth past the bound pays for it; a bound from each round's own start would
+    follow what the rounds before left behind."""
 
     def __init__(self, look_s: float = TRIM_LOOK_S):
         self.look_s = look_s
         self.trims = 0
         self._ceilings: dict[int, int] = {}  # round token -> the resident size past which to trim
-        self._raised = 0  # after a trim: the resident size it left, plus half the floor
+        self._raised = 0  # after a trim: the least resident size since, plus half the floor
         self._least = float("inf")  # the least resident size a round started at
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -134,16 +135,21 @@ class Trimming:
         while True:
             with self._cond:
                 while not self._ceilings:
+                    self._raised = 0  # a trim's raise ends with the rounds it was made in
                     self._cond.wait()
                 self._cond.wait(self.look_s)
-                ceiling = max([*self._ceilings.values(), self._raised]) if self._ceilings else None
-                if not self._ceilings:
-                    self._raised = 0
-            if ceiling is not None and resident_bytes() > ceiling:
+                ceiling, raised = max(self._ceilings.values(), default=None), self._raised
+            if ceiling is None:
+                continue
+            rss = resident_bytes()
+            if rss > max(ceiling, raised):
                 release_free_memory()
                 self.trims += 1
-                with self._cond:  # live data past the bound: the next trim once it grew by half the floor again
-                    self._raised = resident_bytes() + TRIM_FLOOR_BYTES // 2
+                raised = resident_bytes() + TRIM_FLOOR_BYTES // 2  # live data past the bound: not again at once
+            elif raised:  # what was live at the trim went: the next once it grows half the floor past what is
+                raised = min(raised, rss + TRIM_FLOOR_BYTES // 2)
+            with self._cond:
+                self._raised = raised
 
 
 trimming = Trimming()  # the process's one trimmer, shared by its collectives

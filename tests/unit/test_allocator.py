@@ -30,3 +30,23 @@ def test_free_pages_go_back_once_a_round_grows_past_its_bound(monkeypatch):
         del grown
     with trimming.round(1 << 30):
         assert trimming._thread is thread and thread.daemon
+
+
+@pytest.mark.skipif(not GLIBC, reason="the trimming thread runs where the C library is glibc")
+def test_a_trim_past_live_data_does_not_hold_off_the_next_once_that_data_is_freed(monkeypatch):
+    """After a trim that left live data resident, the next waits for growth past what is resident now, not
+    past what was resident then: a round that freed that data and grew again is trimmed again."""
+    mib = 1 << 20
+    resident, trims = [100 * mib], []
+    monkeypatch.setattr(allocator, "TRIM_FLOOR_BYTES", 2 * mib)
+    monkeypatch.setattr(allocator, "resident_bytes", lambda: resident[0])
+    monkeypatch.setattr(allocator, "release_free_memory", lambda: trims.append(resident[0]))
+    trimming = Trimming(look_s=0.01)
+    with trimming.round(0):  # its bound: 102 MiB
+        resident[0] = 200 * mib  # live: the trim gives nothing back
+        wait_until(lambda: len(trims) == 1, 10, "a trim past the bound")
+        resident[0] = 120 * mib  # the live data went
+        wait_until(lambda: 0 < trimming._raised <= 121 * mib, 10, "the raise following what is resident")
+        resident[0] = 150 * mib
+        wait_until(lambda: len(trims) == 2, 10, "a second trim")
+    assert trims == [200 * mib, 150 * mib]
