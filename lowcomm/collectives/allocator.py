@@ -94,13 +94,14 @@ def resident_bytes() -> int:
 class Trimming:
     """While rounds reduce (``with trimming.round(payload_bytes, allocates):``), hands glibc's free pages
     back whenever the process grew more than the round's result and TRIM_ABOVE payloads (at least
-    TRIM_FLOOR_BYTES) past the least resident size a round started at, looked at every ``look_s`` on
-    a thread of its own; after a trim, not again until it grew by half the floor past the least it
-    held since. The pieces a round allocates and frees on a dozen threads leave glibc's arenas
-    fragmented, and what they free would stay resident until the round ends. Trimming every 0.5 s
-    cost 7-17% more CPU per round in the 64 MB benchmark (each trimmed page is faulted in again when
-    reused), so only growth past the bound pays for it; a bound from each round's own start would
-    follow what the rounds before left behind."""
+    TRIM_FLOOR_BYTES) past the least resident size a round started at: as a round starts, as the
+    last one ends, and between, looked at every ``look_s`` on a thread of its own; after that
+    thread's trim, not again until it grew by half the floor past the least it held since. The
+    pieces a round allocates and frees on a dozen threads leave glibc's arenas fragmented, and what
+    they free would stay resident until the round ends. Trimming every 0.5 s cost 7-17% more CPU
+    per round in the 64 MB benchmark (each trimmed page is faulted in again when reused), so only
+    growth past the bound pays for it; a bound from each round's own start would follow what the
+    rounds before left behind."""
 
     def __init__(self, look_s: float = TRIM_LOOK_S):
         self.look_s = look_s
@@ -125,11 +126,23 @@ class Trimming:
                 self._thread = threading.Thread(target=self._run, daemon=True, name="malloc-trim")
                 self._thread.start()
             self._cond.notify_all()
+        self._trim_above(ceiling)  # what the caller or the rounds before left, before the round adds its own
         try:
             yield self
         finally:
             with self._cond:
                 del self._ceilings[id(token)]
+                last = not self._ceilings
+            if last:
+                self._trim_above(ceiling)  # what the round freed, before the caller's next input
+
+    def _trim_above(self, ceiling: int) -> bool:
+        if _GLIBC is None or resident_bytes() <= ceiling:
+            return False
+        release_free_memory()
+        with self._cond:
+            self.trims += 1
+        return True
 
     def _run(self) -> None:
         while True:
@@ -141,13 +154,10 @@ class Trimming:
                 ceiling, raised = max(self._ceilings.values(), default=None), self._raised
             if ceiling is None:
                 continue
-            rss = resident_bytes()
-            if rss > max(ceiling, raised):
-                release_free_memory()
-                self.trims += 1
+            if self._trim_above(max(ceiling, raised)):
                 raised = resident_bytes() + TRIM_FLOOR_BYTES // 2  # live data past the bound: not again at once
-            elif raised:  # what was live at the trim went: the next once it grows half the floor past what is
-                raised = min(raised, rss + TRIM_FLOOR_BYTES // 2)
+            elif raised:  # what was live at that trim may have gone: half the floor past what is resident now
+                raised = min(raised, resident_bytes() + TRIM_FLOOR_BYTES // 2)
             with self._cond:
                 self._raised = raised
 

@@ -49,4 +49,21 @@ def test_a_trim_past_live_data_does_not_hold_off_the_next_once_that_data_is_free
         wait_until(lambda: 0 < trimming._raised <= 121 * mib, 10, "the raise following what is resident")
         resident[0] = 150 * mib
         wait_until(lambda: len(trims) == 2, 10, "a second trim")
-    assert trims == [200 * mib, 150 * mib]
+        assert trims == [200 * mib, 150 * mib]
+
+
+@pytest.mark.skipif(not GLIBC, reason="the trimming thread runs where the C library is glibc")
+def test_free_pages_go_back_as_the_last_round_ends_and_as_a_round_starts_past_its_bound(monkeypatch):
+    mib = 1 << 20
+    resident, trims = [100 * mib], []
+    monkeypatch.setattr(allocator, "TRIM_FLOOR_BYTES", 2 * mib)
+    monkeypatch.setattr(allocator, "resident_bytes", lambda: resident[0])
+    monkeypatch.setattr(allocator, "release_free_memory", lambda: trims.append(resident[0]))
+    trimming = Trimming(look_s=3600)  # its thread does not look again while this test runs
+    with trimming.round(0):  # its bound: 102 MiB
+        assert trims == []
+        resident[0] = 200 * mib  # what the round freed, still resident as it ends
+    assert trims == [200 * mib]
+    resident[0] = 300 * mib  # what the caller left before the next round
+    with trimming.round(0):
+        assert trims[:2] == [200 * mib, 300 * mib]
