@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from lowcomm.collectives.allocator import heap_stats, resident_bytes, trimming  # noqa: E402  (after REPO on the path)
+from lowcomm.collectives.allocator import heap_stats, release_free_memory, resident_bytes, trimming  # noqa: E402  (after REPO on the path)
 
 BLOCK = 1 << 20  # elements per seeded block (4 MB)
 CHECK_BLOCKS = 16  # blocks checked against the true mean, at most (64 MB of float32)
@@ -362,6 +362,7 @@ def work(args) -> None:
         print(f"worker {args.index} round {round_}: {rounds[-1]['round_s']:.2f}s group {info['group_size']} "
               f"err {rounds[-1]['max_abs_err']:.2e}", flush=True)
         del result, tensor
+        release_free_memory()  # what this worker's checks freed: the next round's peak is the round's own
     touch(args.dir / f"result-{args.index}.json", json.dumps({"index": args.index, "peer_id": worker.me,
                                                                "rounds": rounds}))
     try:

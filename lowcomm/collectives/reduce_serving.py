@@ -138,6 +138,7 @@ class ReduceServing:
         taker = threading.Thread(target=self._take_pieces, args=(first, requests, slot, failed), daemon=True,
                                  name="reduce-take")
         taker.start()
+        slot.replying()
         try:
             for reply in reply_pieces(lambda c: slot.piece(c, context.is_active), len(slot.pieces),
                                       slot.contributors, slot.round, slot.shard, self.codec):
@@ -146,6 +147,8 @@ class ReduceServing:
                 yield reply
         except (ContributionRejected, CollectiveError) as e:  # the call ended, or the slot was aborted
             failed.append(e)
+        finally:
+            slot.replied()  # also when gRPC closes the generator of a cancelled call
         if failed:
             yield rejected(slot.round, slot.shard, failed[0])
 

@@ -64,6 +64,8 @@ class StreamedSlot:
         self._left: set[str] = set()
         self._reduced: list[bytes] = []
         self.released = False  # the reduced pieces were dropped (release)
+        self._replying = 0  # members' calls still being replied to
+        self._taken = False  # the owner took its own shard (result)
         self._waiting = 0  # members' decoded pieces waiting for the others' same piece
         self.most_waiting = 0  # the most at once (a slower member holds the others' pieces here)
         self.aborted: str | None = None
@@ -127,11 +129,19 @@ class StreamedSlot:
         the shard, and a caller this late is answered with an error and fills the hole from them. Whether
         they were dropped (a slot still reducing keeps them)."""
         with self.cond:
-            if self._done() and not self.released:
-                self._reduced = [None] * len(self._reduced)
-                self.released = True
-                return True
-            return False
+            return self._release()
+
+    def replying(self) -> None:
+        """A member's call is being replied to: the reduced pieces stay until it ends (``replied``)."""
+        with self.cond:
+            self._replying += 1
+
+    def replied(self) -> None:
+        """A member's call ended; once none is left, the owner has taken its shard and every piece is
+        reduced, nobody reads the pieces again: they go (a new call finds the slot closed)."""
+        with self.cond:
+            self._replying -= 1
+            self._release_if_served()
 
     def piece(self, c: int, active=None) -> bytes:
         """Reduced piece ``c``, waiting for it until the deadline (then the late members are left out),
@@ -161,7 +171,10 @@ class StreamedSlot:
         """Waits for every piece (see `piece`), then returns the reduced shard and its contributors."""
         self.piece(len(self.pieces) - 1, active)
         with self.cond:
-            return Pieces(self._reduced), sorted(self._active())
+            result = Pieces(self._reduced), sorted(self._active())
+            self._taken = True
+            self._release_if_served()  # the owner's Pieces keep what it reads
+            return result
 
     # ---- under self.cond ----
 
@@ -181,6 +194,17 @@ class StreamedSlot:
         norms = torch.tensor([self._norms[s] for s in senders], dtype=torch.float64)
         median = norms.median() if senders else torch.tensor(0.0)  # the lower middle value for an even count
         self._scale = {s: torch.clamp(median / (norm + CLIP_EPS), max=1.0).float() for s, norm in zip(senders, norms)}
+
+    def _release(self) -> bool:
+        if self._done() and not self.released:
+            self._reduced = [None] * len(self._reduced)
+            self.released = True
+            return True
+        return False
+
+    def _release_if_served(self) -> None:
+        if self._taken and self._replying == 0:
+            self._release()
 
     def _active(self) -> set[str]:
         return set(self.members) - self._left

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from children import wait_until
 from lowcomm.collectives import allocator
 from lowcomm.collectives.allocator import Trimming
 from lowcomm.collectives.combiners import DenseMean
@@ -108,3 +109,21 @@ def test_a_donated_round_trims_a_payload_sooner(monkeypatch):
         donated = max(trimming._ceilings.values())
     assert allocating - donated == payload
     assert donated == (1 << 30) + int(allocator.TRIM_ABOVE * payload)
+
+
+@pytest.mark.parametrize("codec", ["fp32", "uint8"])
+def test_an_owner_drops_its_reduced_pieces_once_every_member_was_replied_to(trio, codec):
+    """Nobody reads a slot's reduced pieces once its owner took its shard and every member's call ended:
+    they go then, not two rounds later; a member that lost its reply gets the shard from the held ones."""
+    board = Board(KEY.run, {n.id for n in trio})
+    reduces = [n.reduce(board, codec=codec) for n in trio]
+    handles = [r.start(KEY, 0, values(i), 1.0) for i, r in enumerate(reduces)]
+    results = [h.result(WAIT_S) for h in handles]
+    slots = [slot for r in reduces for (group, round_), slot in r.slots._slots.items() if round_ == 0]
+    assert len(slots) == 3
+    wait_until(lambda: all(slot.released for slot in slots), WAIT_S, "every slot's pieces dropped")
+    digest = reduces[0]._manifests[KEY.group].digest
+    for j in range(3):  # what a member that lost shard j is served instead
+        held = reduces[(j + 1) % 3].slots.held(KEY.group, 0, j, timeout=0, manifest=digest)
+        assert not isinstance(held, str)
+    assert all(torch.equal(r.aggregate, results[0].aggregate) for r in results)
