@@ -14,7 +14,8 @@ process grows past a bound (``Trimming``, used by collectives.sharded_reduce) an
 spooled or its slots dropped (collectives.held_shards). At a worker's peak glibc's arenas held
 0.3-0.6 of a payload in live blocks and 1.2-3.6 in free ones; with the bound the fourth round
 peaked at 3.7-4.2 instead of 5.2-5.3, at the same CPU (experiments/RESULTS.md, "Held values and
-trimming"). Other C libraries are left as they are.
+trimming"); with a donated payload and trims as a round starts and ends, at 2.6-2.8 ("A donated
+payload"). Other C libraries are left as they are.
 """
 
 from __future__ import annotations
