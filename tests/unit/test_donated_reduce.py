@@ -18,27 +18,20 @@ from lowcomm.collectives.combiners import DenseMean
 from lowcomm.collectives.pieces import AggregateSlices, Superseded
 from lowcomm.collectives.robust import Aggregate
 from lowcomm.collectives.sharded_reduce import _until_superseded
-from unit.test_sharded_reduce import KEY, SIGNERS, WAIT_S, Board, Node
+from unit.test_sharded_reduce import KEY, WAIT_S, Board
+from unit.test_streamed_reduce import pair  # noqa: F401  (a fixture: three nodes)
 from unit.test_streamed_reduce import values
 
 COMBINERS = {"fp32-mean": ("fp32", "mean"), "uint8-mean": ("uint8", "mean"), "fp32-median-clip": ("fp32", "median-clip"),
              "uint8-median-clip": ("uint8", "median-clip")}
 
 
-@pytest.fixture
-def trio():
-    nodes = [Node(SIGNERS[i]) for i in range(3)]
-    yield nodes
-    for node in nodes:
-        node.close()
-
-
 @pytest.mark.parametrize("name", sorted(COMBINERS))
-def test_a_donated_round_gives_the_same_bytes_in_the_payloads_memory(trio, name):
+def test_a_donated_round_gives_the_same_bytes_in_the_payloads_memory(pair, name):
     codec, rule = COMBINERS[name]
-    board = Board(KEY.run, {n.id for n in trio})
+    board = Board(KEY.run, {n.id for n in pair})
     reduces = [n.reduce(board, codec=codec, combiner=DenseMean(codec, 1, Aggregate(rule)))
-               for n in trio]
+               for n in pair]
     assert all(r.streams for r in reduces)
     inputs, weights = [values(i) * (1 + 4 * i) for i in range(3)], [1.0, 2.0, 5.0]
     # round 0 allocates its aggregate; round 1 (the same members, owners and bounds) builds it in the payloads
@@ -48,18 +41,18 @@ def test_a_donated_round_gives_the_same_bytes_in_the_payloads_memory(trio, name)
     handles = [r.start(KEY, 1, p, w, donate=True) for r, p, w in zip(reduces, donated, weights)]
     results = [h.result(WAIT_S) for h in handles]
     for payload, result, before, given in zip(donated, results, kept, inputs):
-        assert result.contributors == sorted(n.id for n in trio) and result.info["lost_shards"] == []
+        assert result.contributors == sorted(n.id for n in pair) and result.info["lost_shards"] == []
         assert result.aggregate.data_ptr() == payload.data_ptr()  # no buffer of its own
         assert before.aggregate.data_ptr() != given.data_ptr()
         assert torch.equal(result.aggregate, kept[0].aggregate)  # bit for bit, on every member
-    for node in trio:
+    for node in pair:
         assert not [e for e in node.events if e["kind"] in ("reject", "timeout", "hole_filled")]
 
 
-def test_a_donated_round_of_a_tensor_not_in_float32_leaves_it_as_it_was(trio):
+def test_a_donated_round_of_a_tensor_not_in_float32_leaves_it_as_it_was(pair):
     """Only the payload's flat float32 values are donated: one in another dtype is copied first."""
-    board = Board(KEY.run, {trio[0].id})
-    reduce = trio[0].reduce(board)
+    board = Board(KEY.run, {pair[0].id})
+    reduce = pair[0].reduce(board)
     payload = values(0).double()
     result = reduce.start(KEY, 0, payload, 1.0, donate=True).result(WAIT_S)
     assert torch.equal(payload, values(0).double())
@@ -112,11 +105,11 @@ def test_a_donated_round_trims_a_payload_sooner(monkeypatch):
 
 
 @pytest.mark.parametrize("codec", ["fp32", "uint8"])
-def test_an_owner_drops_its_reduced_pieces_once_every_member_was_replied_to(trio, codec):
+def test_an_owner_drops_its_reduced_pieces_once_every_member_was_replied_to(pair, codec):
     """Nobody reads a slot's reduced pieces once its owner took its shard and every member's call ended:
     they go then, not two rounds later; a member that lost its reply gets the shard from the held ones."""
-    board = Board(KEY.run, {n.id for n in trio})
-    reduces = [n.reduce(board, codec=codec) for n in trio]
+    board = Board(KEY.run, {n.id for n in pair})
+    reduces = [n.reduce(board, codec=codec) for n in pair]
     handles = [r.start(KEY, 0, values(i), 1.0) for i, r in enumerate(reduces)]
     results = [h.result(WAIT_S) for h in handles]
     slots = [slot for r in reduces for (group, round_), slot in r.slots._slots.items() if round_ == 0]
