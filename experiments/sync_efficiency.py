@@ -97,13 +97,13 @@ def _touch(path: Path, text: str = "") -> None:
     tmp.replace(path)
 
 
-def _cpu_s(namespaces: list[str]) -> dict[str, float]:
-    """CPU seconds (user + system) used so far by the processes now inside each namespace."""
+def _cpu_s(namespaces: list[str]) -> dict[str, tuple[float, float]]:
+    """CPU seconds (user, system) used so far by the processes now inside each namespace."""
     inodes = {}
     for ns in namespaces:
         st = os.stat(f"/run/netns/{ns}")
         inodes[(st.st_ino, st.st_dev)] = ns
-    used = dict.fromkeys(namespaces, 0.0)
+    used = {ns: (0.0, 0.0) for ns in namespaces}
     tick = os.sysconf("SC_CLK_TCK")
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -113,7 +113,8 @@ def _cpu_s(namespaces: list[str]) -> dict[str, float]:
             ns = inodes.get((st.st_ino, st.st_dev))
             if ns is not None:
                 fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-                used[ns] += (int(fields[11]) + int(fields[12])) / tick
+                user, system = used[ns]
+                used[ns] = (user + int(fields[11]) / tick, system + int(fields[12]) / tick)
         except (OSError, IndexError, ValueError):
             continue
     return used
@@ -121,8 +122,8 @@ def _cpu_s(namespaces: list[str]) -> dict[str, float]:
 
 def _snapshot(nodes) -> list[dict]:
     cpu = _cpu_s([node.ns for node in nodes])
-    return [{"counters": node.counters(), "class_bytes": node.class_bytes(), "cpu_s": cpu[node.ns]}
-            for node in nodes]
+    return [{"counters": node.counters(), "class_bytes": node.class_bytes(), "cpu_s": sum(cpu[node.ns]),
+             "sys_s": cpu[node.ns][1]} for node in nodes]
 
 
 class Sampler(threading.Thread):
@@ -232,7 +233,7 @@ def run_cell(args, system: str, peers: int, size_mb: int) -> dict:
 # ---- numbers ----------------------------------------------------------------------------------
 
 def _delta(before: dict, after: dict) -> dict:
-    return {"cpu_s": after["cpu_s"] - before["cpu_s"],
+    return {"cpu_s": after["cpu_s"] - before["cpu_s"], "sys_s": after["sys_s"] - before["sys_s"],
             "tx": after["counters"]["tx"] - before["counters"]["tx"],
             "rx": after["counters"]["rx"] - before["counters"]["rx"],
             "data_tx": after["class_bytes"]["data"]["tx"] - before["class_bytes"]["data"]["tx"],
@@ -290,6 +291,7 @@ def summarize(system, peers, size_mb, numel, bound, args, rounds, workers) -> di
             "groups": sorted({tuple(m["group_workers"]) for m in mine}),
             "wire": traffic,
             "cpu_s_per_node": [t["cpu_s"] for t in traffic],
+            "sys_s_per_node": [t["sys_s"] for t in traffic],
             "peak_mem_s": [m.get("peak_mem_bytes", float("nan")) / (numel * 4) for m in mine],
             "phases": link_phases(wire["timeline"], peers, args.rate_mbit * 1e6, wire["go"], last_end),
             "timeline": [[round(row[0] - wire["go"], 3), *row[1:]] for row in wire["timeline"]],
@@ -314,6 +316,8 @@ def summarize(system, peers, size_mb, numel, bound, args, rounds, workers) -> di
         "link_utilization": statistics.mean(max(t["tx"] for t in r["wire"]) * 8 / (args.rate_mbit * 1e6)
                                             / r["round_s"] for r in per_round),
         "mean_cpu_s_per_node": statistics.mean(statistics.mean(r["cpu_s_per_node"]) for r in per_round),
+        "kernel_cpu_share": sum(sum(r["sys_s_per_node"]) for r in per_round)
+                            / max(1e-9, sum(sum(r["cpu_s_per_node"]) for r in per_round)),
         "peak_mem_s": max(max(r["peak_mem_s"]) for r in per_round),
         "uplink_near_cap_share": statistics.mean(statistics.mean(r["phases"]["uplink_near_cap_share"])
                                                  for r in per_round),
@@ -336,9 +340,11 @@ workers and rounds (lowcomm: manifest_s / reduce_s; hivemind: until RUNNING_ALLR
 Ethernet frames (TCP/IP headers, ACKs, DHT included): a perfect all-reduce sends ~1.05x the payload, so ~0.95 is
 the ceiling of any TCP system here. Link util.: busiest uplink's wire bytes / (B · round time). 'Uplink ≥80% of
 cap': mean share of the round a peer's uplink ran at ≥ 80% of the cap (50 ms samples). CPU s/peer/round: user +
-system CPU of every process in a peer's namespace over a round. Peak memory/worker: the most resident memory a
-worker process held during a round, above what it held set up and connected before its first input, in units of
-S (its input and its result are 2 of them); the worst worker and round, then the worst worker of each round. Host
+system CPU of every process in a peer's namespace over a round (kernel: the system part: the emulated links'
+TCP, veth and htb, page faults). Peak memory/worker: the most resident memory a worker process held during a
+round, above what it held set up and connected before its first input, in units of S (its input is one of them,
+and its result another unless the worker donates its input, as lowcomm's does); the worst worker and round, then
+the worst worker of each round. Host
 load: 1-min load average when the cell ended; the host had 2 cores shared with other jobs, so every number is noisy and CPU-starved. Correct: every
 worker's result within 1e-5 of the true mean of its group's inputs (every block up to 64 MB, 16 random 4 MB
 blocks above). Identical replicas: all members of a group hold the same bytes.
@@ -356,9 +362,15 @@ def table_row(r: dict) -> list[str]:
             f"{r['mean_round_s']:.2f} ± {r['std_round_s']:.2f}", f"{r['bound_s']:.2f}", f"**{r['efficiency']:.2f}**",
             f"{r['steady_efficiency']:.2f}", f"{r['mean_agreement_s']:.2f}", f"{r['mean_transfer_s']:.2f}",
             f"{r['mb_sent_per_peer']:.1f}", f"{r['mb_expected_per_peer']:.1f}", f"{r['link_utilization']:.2f}",
-            f"{r['uplink_near_cap_share']:.2f}", f"{r['mean_cpu_s_per_node']:.1f}",
+            f"{r['uplink_near_cap_share']:.2f}", _cpu(r),
             _times_s(r.get("peak_mem_s")), " / ".join(_times_s(max(x["peak_mem_s"])) for x in r["per_round"]), groups,
             "yes" if r["correct"] else "NO", "yes" if identical else "no", f"{r['host_load'][0]:.0f}"]
+
+
+def _cpu(r: dict) -> str:
+    """CPU seconds per peer and round, with the kernel's share where it was measured."""
+    share = r.get("kernel_cpu_share")
+    return f"{r['mean_cpu_s_per_node']:.1f}" + (f" ({share:.0%} kernel)" if share is not None else "")
 
 
 def _times_s(value) -> str:
