@@ -97,6 +97,26 @@ def check_mean(result: torch.Tensor, workers: list[int], seed: int, round_: int)
             "result_hash": hashlib.blake2b(result.numpy().data, digest_size=12).hexdigest()}  # no copy of S
 
 
+def thread_cpu() -> dict[str, list[float]]:
+    """CPU seconds [user, system] this process's threads used so far, by thread name (gRPC's event engine
+    apart from the Python threads); {} where /proc has no task list."""
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return {}
+    for task in tasks:
+        try:
+            stat = Path(f"/proc/self/task/{task}/stat").read_text()
+        except OSError:
+            continue  # the thread ended
+        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        used = out.setdefault(name, [0.0, 0.0])
+        used[0] += int(fields[11]) / tick
+        used[1] += int(fields[12]) / tick
+    return out
+
+
 class PeakRss:
     """The most resident memory this process held while inside the block (sampled every 5 ms), and what
     glibc's malloc held at that moment (``at_peak``: in its arenas, free in them, mapped on its own)."""
@@ -220,7 +240,7 @@ class LowcommWorker:
         self.tensor = tensor
 
     def average(self, round_: int) -> tuple[torch.Tensor, dict]:
-        bytes_before, trims_before = self.traffic.sent, trimming.trims
+        bytes_before, trims_before, cpu_before = self.traffic.sent, trimming.trims, thread_cpu()
         t_start = time.time()
         handle = self.collective.start(self.key, round_, self.tensor, 1.0, donate=True)  # as a training peer's Δ
         result = handle.result(self.sync.reduce_timeout_s * 3 + 60)
@@ -231,6 +251,9 @@ class LowcommWorker:
             "agreement_s": result.info["manifest_s"], "transfer_s": result.info["reduce_s"],
             "leader": result.info["leader"], "lost_shards": result.info["lost_shards"],
             "grpc_bytes_sent": self.traffic.sent - bytes_before, "trims": trimming.trims - trims_before,
+            "thread_cpu_s": {name: [round(u - cpu_before.get(name, [0, 0])[0], 2),
+                                    round(k - cpu_before.get(name, [0, 0])[1], 2)]
+                             for name, (u, k) in thread_cpu().items()},
             "most_waiting_pieces": max((getattr(slot, "most_waiting", 0) for slot in self._slots(round_)), default=0)}
 
     def _slots(self, round_: int) -> list:
