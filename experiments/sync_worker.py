@@ -42,7 +42,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from lowcomm.collectives.allocator import heap_stats, release_free_memory, resident_bytes, trimming  # noqa: E402  (after REPO on the path)
+from lowcomm.collectives.allocator import heap_stats, release_free_memory, resident_bytes, trimming  # noqa: E402
+from experiments.worker_stats import PeakRss, thread_cpu  # noqa: E402
 
 BLOCK = 1 << 20  # elements per seeded block (4 MB)
 CHECK_BLOCKS = 16  # blocks checked against the true mean, at most (64 MB of float32)
@@ -95,49 +96,6 @@ def check_mean(result: torch.Tensor, workers: list[int], seed: int, round_: int)
     return {"max_abs_err": worst, "correct": worst <= ATOL and bool(torch.isfinite(result).all()),
             "checked_fraction": min(1.0, len(checked) * BLOCK / numel),
             "result_hash": hashlib.blake2b(result.numpy().data, digest_size=12).hexdigest()}  # no copy of S
-
-
-def thread_cpu() -> dict[str, list[float]]:
-    """CPU seconds [user, system] this process's threads used so far, by thread name (gRPC's event engine
-    apart from the Python threads); {} where /proc has no task list."""
-    tick, out = os.sysconf("SC_CLK_TCK"), {}
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return {}
-    for task in tasks:
-        try:
-            stat = Path(f"/proc/self/task/{task}/stat").read_text()
-        except OSError:
-            continue  # the thread ended
-        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
-        used = out.setdefault(name, [0.0, 0.0])
-        used[0] += int(fields[11]) / tick
-        used[1] += int(fields[12]) / tick
-    return out
-
-
-class PeakRss:
-    """The most resident memory this process held while inside the block (sampled every 5 ms), and what
-    glibc's malloc held at that moment (``at_peak``: in its arenas, free in them, mapped on its own)."""
-
-    def __enter__(self):
-        self.peak, self._stop = resident_bytes(), threading.Event()
-        self.at_peak = heap_stats()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.005):
-            rss = resident_bytes()
-            if rss > self.peak:
-                self.peak, self.at_peak = rss, heap_stats()
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, resident_bytes())
 
 
 # ---- the barrier --------------------------------------------------------------------------------
@@ -369,7 +327,7 @@ def work(args) -> None:
         worker.prepare(tensor)
         touch(args.dir / f"ready-{round_}-{args.index}")
         wait_for(args.dir / f"go-{round_}")
-        with PeakRss() as memory:  # the input (S) and the result (S) included
+        with PeakRss() as memory:  # the input (S) included, which holds the result (donated)
             result, info = worker.average(round_)
         info["peak_mem_bytes"] = memory.peak - baseline
         info["malloc_at_peak"] = {k: v - baseline_heap.get(k, 0) for k, v in memory.at_peak.items()}

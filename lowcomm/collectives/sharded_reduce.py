@@ -310,9 +310,11 @@ class ShardedReduce(ShardFetching, ReduceServing, Collective):
             blob, (norm, encoded) = None, (0.0, None)
             if self.combiner.clips:
                 norm, encoded = read(lambda: self.combiner.part_norm(payload, bounds, self.elems), 0)
-            chunks = _until_superseded(part_pieces(
-                self.signer, header, lambda a, b: read(lambda: self.combiner.encode(payload, (bounds[0] + a, bounds[0] + b)),
-                                                       b), bounds[1] - bounds[0], self.elems, norm, encoded))
+            def encode(a: int, b: int) -> bytes:
+                return read(lambda: self.combiner.encode(payload, (bounds[0] + a, bounds[0] + b)), b)
+
+            chunks = _until_superseded(part_pieces(self.signer, header, encode, bounds[1] - bounds[0], self.elems,
+                                                   norm, encoded))
         else:
             blob = self.combiner.encode(payload, bounds)
             chunks = part_chunks(self.signer, header, blob, self.sync.chunk_bytes)

@@ -22,8 +22,8 @@ from unit.test_sharded_reduce import KEY, WAIT_S, Board
 from unit.test_streamed_reduce import pair  # noqa: F401  (a fixture: three nodes)
 from unit.test_streamed_reduce import values
 
-COMBINERS = {"fp32-mean": ("fp32", "mean"), "uint8-mean": ("uint8", "mean"), "fp32-median-clip": ("fp32", "median-clip"),
-             "uint8-median-clip": ("uint8", "median-clip")}
+COMBINERS = {"fp32-mean": ("fp32", "mean"), "uint8-mean": ("uint8", "mean"),
+             "fp32-median-clip": ("fp32", "median-clip"), "uint8-median-clip": ("uint8", "median-clip")}
 
 
 @pytest.mark.parametrize("name", sorted(COMBINERS))
