@@ -31,6 +31,7 @@ from lowcomm.collectives.pieces import piece_bounds
 from lowcomm.collectives.reduce_owner import ContributionRejected, check_finite, decode_contribution
 from lowcomm.collectives.robust import Aggregate
 from lowcomm.compress import Codec, CodecError, SparseCodec, get_codec
+from lowcomm.compress.finite import all_finite
 
 MAX_SENDER_BYTES = 64
 Contribution = tuple[torch.Tensor, torch.Tensor]  # (flat indices, values) of one sender
@@ -185,7 +186,7 @@ class SparseBundle:
             raise ContributionRejected(f"parameter {i}: undecodable payload: {e}") from None
         if tuple(shape) != self.shapes[i]:
             raise ContributionRejected(f"parameter {i}: shape {tuple(shape)}, expected {self.shapes[i]}")
-        if not bool(torch.isfinite(values).all()):
+        if not all_finite(values):
             raise ContributionRejected(f"parameter {i}: NaN or Inf values")
         return indices, values.to(torch.float32)
 

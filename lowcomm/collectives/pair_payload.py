@@ -22,6 +22,7 @@ import torch
 
 from lowcomm.collectives.reduce_owner import ContributionRejected
 from lowcomm.compress import Codec, CodecError, get_codec
+from lowcomm.compress.finite import all_finite
 
 WIRE_CODECS: dict[str, tuple[str, dict]] = {
     "fp32": ("dense", {"dtype": "float32"}),
@@ -74,7 +75,7 @@ class TensorListFormat:
                 raise ContributionRejected(f"tensor {i}: undecodable frame: {e}") from None
             if tuple(values.shape) != shape:
                 raise ContributionRejected(f"tensor {i}: shape {tuple(values.shape)}, expected {shape}")
-            if values.dtype != torch.float32 or not bool(torch.isfinite(values).all()):
+            if values.dtype != torch.float32 or not all_finite(values):
                 raise ContributionRejected(f"tensor {i}: {values.dtype} or non-finite values")
             tensors.append(values)
             pos += length

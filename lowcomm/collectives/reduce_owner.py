@@ -32,6 +32,7 @@ import torch
 from lowcomm.collectives.base import CollectiveError
 from lowcomm.collectives.held_shards import KEEP_ROUNDS, HeldShards
 from lowcomm.compress import CodecError, get_codec
+from lowcomm.compress.finite import all_finite
 
 logger = logging.getLogger(__name__)
 EXPIRED = "round forgotten here"  # held(): a round more than KEEP_ROUNDS below the newest, not held
@@ -244,7 +245,7 @@ def decode_contribution(blob: bytes, codec_name: str, numel: int) -> torch.Tenso
     if values.numel() != numel:
         raise ContributionRejected(f"payload has {values.numel()} elements, the shard has {numel}")
     values = values.reshape(-1).to(torch.float32)
-    if not torch.isfinite(values).all():
+    if not all_finite(values):
         raise ContributionRejected("payload contains NaN or Inf")
     return values
 
@@ -261,6 +262,6 @@ def validate_weight(weight: float, cap: float | None = None) -> float:
 
 def check_finite(values: torch.Tensor) -> torch.Tensor:
     """``values`` when every entry is finite; else ContributionRejected."""
-    if not bool(torch.isfinite(values).all()):
+    if not all_finite(values):
         raise ContributionRejected("payload contains NaN or Inf")
     return values

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from lowcomm.compress.errors import CodecError
+from lowcomm.compress.finite import all_finite
 
 BLOCK = 64
 MAX_ELEMENTS = 1 << 26
@@ -26,7 +27,7 @@ MAX_ELEMENTS = 1 << 26
 def encode_blockwise8(x: torch.Tensor) -> tuple[bytes, bytes]:
     """(int8 codes, float32 scales) of a floating tensor; refuses NaN or Inf."""
     flat = x.detach().to("cpu").to(torch.float32).reshape(-1)  # computed on the CPU: the same bytes on any device
-    if not torch.isfinite(flat).all():
+    if not all_finite(flat):
         raise CodecError("blockwise8: the tensor holds NaN or Inf")
     blocks = -(-flat.numel() // BLOCK)
     padded = torch.zeros(blocks * BLOCK, dtype=torch.float32)

@@ -14,6 +14,7 @@ import torch
 
 from lowcomm.compress.base import Codec, WireDType
 from lowcomm.compress.errors import CodecError
+from lowcomm.compress.finite import all_finite
 
 # Half types travel as their raw 16-bit patterns because numpy has no bfloat16;
 # explicit little-endian numpy dtypes keep the wire independent of the host.
@@ -61,7 +62,7 @@ class DenseCodec(Codec):
             )
         native = np.frombuffer(payload, dtype=np_dtype).astype(np_dtype[1:], copy=True)
         values = torch.from_numpy(native).view(torch_dtype).to(torch.float32)
-        if self.check_finite and not bool(torch.isfinite(values).all()):
+        if self.check_finite and not all_finite(values):
             raise CodecError(f"values: {int((~torch.isfinite(values)).sum())} non-finite entries")
         return values
 

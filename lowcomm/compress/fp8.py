@@ -19,6 +19,7 @@ import torch
 
 from lowcomm.compress.base import Codec, WireDType
 from lowcomm.compress.errors import CodecError
+from lowcomm.compress.finite import all_finite
 
 E4M3_MAX = 448.0
 
@@ -60,7 +61,7 @@ class Fp8Codec(Codec):
             raise CodecError("scales: every row scale must be finite and > 0")
         codes = torch.from_numpy(np.frombuffer(payload[4 * rows :], dtype=np.uint8).copy())
         values = codes.view(torch.float8_e4m3fn).to(torch.float32).reshape(rows, cols) * torch.from_numpy(scale)[:, None]
-        if self.check_finite and not bool(torch.isfinite(values).all()):
+        if self.check_finite and not all_finite(values):
             raise CodecError(f"values: {int((~torch.isfinite(values)).sum())} non-finite entries")
         return values
 

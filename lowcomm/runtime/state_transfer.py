@@ -22,6 +22,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from lowcomm.algorithms.state import tensors_hash
+from lowcomm.compress.finite import all_finite
 from lowcomm.proto import wire_pb2
 from lowcomm.transport.wire import Channels, Traffic, WireError, assemble, slices
 
@@ -65,7 +66,7 @@ def decode_state(blob: bytes, expected: dict[str, tuple[int, ...]]) -> dict[str,
         if tensor.dtype != torch.float32 or tuple(tensor.shape) != tuple(expected[name]):
             raise StateError(f"state tensor {name}: {tensor.dtype} {tuple(tensor.shape)}, expected float32 "
                              f"{tuple(expected[name])}")
-        if not torch.isfinite(tensor).all():
+        if not all_finite(tensor):
             raise StateError(f"state tensor {name} contains NaN or Inf")
     return tensors
 
