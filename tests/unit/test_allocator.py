@@ -67,3 +67,15 @@ def test_free_pages_go_back_as_the_last_round_ends_and_as_a_round_starts_past_it
     resident[0] = 300 * mib  # what the caller left before the next round
     with trimming.round(0):
         assert trims[:2] == [200 * mib, 300 * mib]
+
+
+def test_a_donated_round_trims_a_payload_sooner(monkeypatch):
+    monkeypatch.setattr(allocator, "resident_bytes", lambda: 1 << 30)
+    monkeypatch.setattr(allocator, "_GLIBC", None)  # no trimming thread: the bounds only
+    trimming, payload = Trimming(), 256 << 20
+    with trimming.round(payload):
+        allocating = max(trimming._ceilings.values())
+    with trimming.round(payload, allocates=0):
+        donated = max(trimming._ceilings.values())
+    assert allocating - donated == payload
+    assert donated == (1 << 30) + int(allocator.TRIM_ABOVE * payload)

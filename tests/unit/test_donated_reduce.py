@@ -12,8 +12,6 @@ import pytest
 import torch
 
 from children import wait_until
-from lowcomm.collectives import allocator
-from lowcomm.collectives.allocator import Trimming
 from lowcomm.collectives.combiners import DenseMean
 from lowcomm.collectives.pieces import AggregateSlices, Superseded
 from lowcomm.collectives.robust import Aggregate
@@ -90,18 +88,6 @@ def test_a_superseded_part_ends_short_instead_of_breaking_its_call():
         raise Superseded("overwritten")
 
     assert list(_until_superseded(part())) == ["header", "piece 0"]
-
-
-def test_a_donated_round_trims_a_payload_sooner(monkeypatch):
-    monkeypatch.setattr(allocator, "resident_bytes", lambda: 1 << 30)
-    monkeypatch.setattr(allocator, "_GLIBC", None)  # no trimming thread: the bounds only
-    trimming, payload = Trimming(), 256 << 20
-    with trimming.round(payload):
-        allocating = max(trimming._ceilings.values())
-    with trimming.round(payload, allocates=0):
-        donated = max(trimming._ceilings.values())
-    assert allocating - donated == payload
-    assert donated == (1 << 30) + int(allocator.TRIM_ABOVE * payload)
 
 
 @pytest.mark.parametrize("codec", ["fp32", "uint8"])
