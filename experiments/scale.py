@@ -12,7 +12,9 @@ whole run peaked, and the host's available memory at that moment. Per N also the
 the peers' mean wait from announcing a round to its manifest (`manifest_s`, waiting for slower peers
 included), the agreement itself (`agreement s`: the median over rounds of the last peer's wait, when
 everyone else waits already), their DHT calls per peer and round (the report's `control_calls`), and with --netns
-(every process in its own network namespace, uncapped) the DHT's bytes per peer and round.
+(every process in its own network namespace, uncapped) the DHT's bytes per peer and round: all of them
+(start-up to shut-down, over the run's rounds), those sent from the peers' release on (the rounds'
+own cost: records, votes, reads and the DHT's upkeep), and per peer those sent before it (joining).
 
 Rows are kept as JSON under OUT/ and skipped on a rerun (resumable); the table OUT/table.md is
 rewritten after every row.
@@ -147,7 +149,12 @@ def run_row(out: Path, peers: int, steps: int, seed: int, netns: bool = False) -
            "agreement_s": agreement_s(records),
            "dht_calls_per_peer_round": sum((report.get("control_calls") or {}).values()) / peer_rounds,
            "dht_bytes_per_peer_round": (report["control_bytes"] / peer_rounds
-                                        if report.get("control_bytes") is not None else None)}
+                                        if report.get("control_bytes") is not None else None),
+           "dht_training_bytes_per_peer_round": (report["control_bytes_training"] / peer_rounds
+                                                 if report.get("control_bytes_training") is not None else None),
+           "dht_startup_bytes_per_peer": (
+               (report["control_bytes"] - report["control_bytes_training"]) / peers
+               if report.get("control_bytes_training") is not None else None)}
     path.write_text(json.dumps(row, indent=1))
     return row
 
@@ -160,8 +167,8 @@ def table(rows: list[dict]) -> str:
     lines = ["| peers | params | startup s | wall s | wall / wall(N=4) | rounds (all N contributed) | mean sync s | "
              "resyncs | final loss | PSS per peer MiB (mean at peak; max) | processes per peer | "
              "total PSS MiB | MemAvailable at peak MiB | deadline scale | manifest s | agreement s | "
-             "DHT calls / peer / round | DHT KB / peer / round |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "DHT calls / peer / round | DHT KB / peer / round | of which in training | DHT KB / peer at start-up |",
+             "| --- " * 20 + "|"]
     base = next((r for r in rows if r["peers"] == 4), None)
     for r in sorted(rows, key=lambda r: r["peers"]):
         m = r["memory"]
@@ -173,7 +180,9 @@ def table(rows: list[dict]) -> str:
                      f"{m.get('mem_available_mib', 0):.0f} | {r['deadline_scale']:.1f} | "
                      f"{_fmt(r.get('manifest_s_mean'), '.2f')} | {_fmt(r.get('agreement_s'), '.3f')} | "
                      f"{_fmt(r.get('dht_calls_per_peer_round'), '.1f')} | "
-                     f"{_fmt(r.get('dht_bytes_per_peer_round'), ',.0f', 1e3)} |")
+                     f"{_fmt(r.get('dht_bytes_per_peer_round'), ',.0f', 1e3)} | "
+                     f"{_fmt(r.get('dht_training_bytes_per_peer_round'), ',.1f', 1e3)} | "
+                     f"{_fmt(r.get('dht_startup_bytes_per_peer'), ',.0f', 1e3)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -20,7 +20,7 @@ the command, so the process keeps its pid and leads its own group as before. The
 normal, an exception, Ctrl-C, SIGTERM to the launcher (turned into SystemExit), and the lab's
 reaper process covers a SIGKILLed launcher. The report adds `netns`, `wire_bytes` (every frame
 every node sent, Ethernet/IP/TCP headers and the DHT included, start-up to shut-down),
-`control_bytes` (the DHT's share of it), `netns_nodes` (per node: cap and veth bytes by plane) and
+`control_bytes` (the DHT's share of it; `control_bytes_training` from the peers' release on), `netns_nodes` (per node: cap and veth bytes by plane) and
 `links` with each peer's cap and latency; `bytes_sent` stays lowcomm's own data-plane count.
 """
 
@@ -47,14 +47,15 @@ from lowcomm.runtime.processes import (Process, SimulationError, spawn, terminat
                                        wait_for_file)
 from lowcomm.runtime.report import build_report
 from lowcomm.runtime.runlog import read_records
-from lowcomm.transport.netns import NetnsLab, Node
+from lowcomm.runtime.sim_netns import NamespaceMode
+from lowcomm.transport.netns import NetnsLab
 from lowcomm.transport.shaper import LinkSpec, parse_link_option
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class Simulation:
+class Simulation(NamespaceMode):
     config: RunConfig
     peers: int
     run_dir: Path
@@ -74,70 +75,11 @@ class Simulation:
     lab: NetnsLab | None = None  # namespace mode: opened by open_lab() (or the first process), closed by close()
     node_indices: dict[str, int | None] = field(default_factory=dict)  # node name -> peer index (None: coordinator)
     wire_samples: list[tuple[float, int]] = field(default_factory=list)  # netns: (time.time(), peers' veth tx so far)
+    released_bytes: dict[str, int] | None = None  # netns: what the nodes had sent by plane when the peers were released
 
     @property
     def use_netns(self) -> bool:
         return self.config.link.netns if self.netns is None else self.netns
-
-    # ---- namespace mode ------------------------------------------------------------------------
-
-    def open_lab(self) -> NetnsLab | None:
-        """Namespace mode: the lab (NetnsUnavailable, saying what to do, where it cannot be made)."""
-        if self.use_netns and self.lab is None:
-            self.lab = NetnsLab().open()
-        return self.lab
-
-    def node(self, name: str, index: int | None, rate_bits: float | None) -> Node | None:
-        """The namespace node a process called `name` runs in (made on first use); None without netns."""
-        lab = self.open_lab()
-        if lab is None:
-            return None
-        existing = next((n for n in lab.nodes if n.name == name), None)  # a restarted process reuses its node
-        if existing is not None:
-            return existing
-        self.node_indices[name] = index
-        return lab.add_node(name, rate=rate_bits)
-
-    def set_link(self, name: str, up: bool) -> None:
-        """Namespace mode: the link of the process called `name` down (a cable pulled) or up again."""
-        self.lab.set_link(next(node for node in self.lab.nodes if node.name == name), up)
-
-    def close_lab(self) -> None:
-        """Kills whatever is left in the lab, snapshots its counters and removes it (NetnsError if it cannot)."""
-        if self.lab is not None:
-            self.lab.close()
-
-    def close(self) -> list[str]:
-        """stop_all(), then the lab; returns the names of groups that survived."""
-        try:
-            return self.stop_all()
-        finally:
-            self.close_lab()
-
-    def netns_figures(self, ids: dict[int, str]) -> dict:
-        """The lab's counters (final once it is closed) for the report."""
-        nodes, caps = {}, {}
-        for node in self.lab.nodes:
-            counters, classes = node.counters(), node.class_bytes()
-            index = self.node_indices.get(node.name)
-            nodes[node.name] = {
-                "peer": ids.get(index) if index is not None else "coordinator", "index": index,
-                "address": node.address, "control_address": node.control_address, "cap_bits": node.rate_bits,
-                "tx": counters["tx"], "rx": counters["rx"],
-                "data_tx": classes["data"]["tx"], "data_rx": classes["data"]["rx"],
-                "control_tx": classes["control"]["tx"], "control_rx": classes["control"]["rx"]}
-            caps[node.name] = node.rate_bits
-        return {"netns": True, "wire_bytes": sum(n["tx"] for n in nodes.values()),
-                "control_bytes": sum(n["control_tx"] for n in nodes.values()),
-                "wire_bytes_peers": sum(n["tx"] for name, n in nodes.items() if n["index"] is not None),
-                "caps": caps, "netns_nodes": nodes, "netns_lab": self.lab.tag}
-
-    def sample_wire(self) -> None:
-        """Namespace mode: notes what the peers' nodes have sent so far (the report's `wire_timeline`)."""
-        if self.lab is None or self.lab.closed:
-            return
-        sent = sum(node.counters()["tx"] for node in self.lab.nodes if self.node_indices.get(node.name) is not None)
-        self.wire_samples.append((time.time(), sent))
 
     def start_coordinator(self, resume: Path | None = None) -> dict:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -171,6 +113,8 @@ class Simulation:
     def release(self, peers: list[Process], timeout: float = 300) -> None:
         """Waits until every parked peer is connected and ready, then lets them all start training."""
         self.wait_ready(peers, timeout)
+        if self.lab is not None and self.released_bytes is None:
+            self.released_bytes = self.lab.sent_bytes()
         self.start_file.touch()
 
     def wait_ready(self, peers: list[Process], timeout: float = 300) -> None:

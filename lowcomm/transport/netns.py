@@ -16,6 +16,9 @@ program run through `node.wrap(cmd)`, lowcomm or not.
   p2pd's host and announce multiaddrs). The bridge holds .1 of both and is the nodes' default route;
   the host does not forward (the lab leaves ip_forward alone), so nothing leaves the machine. IPv6
   is off on the lab's links, so router solicitations and the like do not add to the counters.
+- **Neighbours.** The kernel's ARP table is one for the whole host, its limits too: a lab of n nodes
+  can hold about 2n² entries (1024 by default: past 22 nodes connections failed), so `add_node`
+  raises gc_thresh2 and gc_thresh3 to fit (`fit_neighbour_table`), and never lowers them.
 - **Caps.** The same htb tree on the node's `eth0` (its egress is the node's upload) and on the
   host-side veth (its egress toward the node is the node's download): a root class at the link
   rate and two leaves, data (1:10) and control (1:20), each guaranteed half and allowed all of it.
@@ -63,7 +66,8 @@ from lowcomm.transport.netns_commands import (BURST_S, FRAME_BYTES, MAX_NODES, N
                                               TAG_PATTERN, TAG_PREFIX, UNCAPPED_BITS, HtbParams, NetnsError,
                                               NetnsUnavailable, _class_bytes, _disable_ipv6, _htb_commands,
                                               _ip_batch, _list_links, _list_netns, _refusal_commands, _run,
-                                              _tc_batch, choose_subnets, host_networks, unavailable_reason)
+                                              _tc_batch, choose_subnets, fit_neighbour_table, host_networks,
+                                              unavailable_reason)
 
 logger = logging.getLogger(__name__)
 
@@ -205,6 +209,7 @@ class NetnsLab:
                     control_address=str(self.control_net.network_address + 2 + index),
                     host_veth=f"{self.tag}h{index}", rate_bits=rate)
         self.nodes.append(node)  # before anything exists, so close() always looks for it
+        fit_neighbour_table(len(self.nodes))
         _run(["ip", "netns", "add", node.ns])
         # in the new namespace, before its eth0 exists, so eth0 is born without IPv6 (no sysctl: IPv6 stays on)
         _run(["ip", "netns", "exec", node.ns, "sysctl", "-q", "-w", "net.ipv6.conf.all.disable_ipv6=1",

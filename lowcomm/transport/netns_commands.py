@@ -61,6 +61,34 @@ def unavailable_reason() -> str | None:
 
 # ---- commands --------------------------------------------------------------------------------
 
+NEIGH_SYSCTL = Path("/proc/sys/net/ipv4/neigh/default")
+
+
+def neighbour_entries(nodes: int) -> int:
+    """The IPv4 neighbour entries a lab of `nodes` can hold at once: in each node one per other node on
+    each plane, and the bridge's two addresses; in the root namespace the bridge's one per node and plane."""
+    return nodes * (2 * (nodes - 1) + 2) + 2 * nodes
+
+
+def fit_neighbour_table(nodes: int) -> None:
+    """Raises the kernel's ARP table limits to hold a lab of `nodes`, if they are lower; never lowers them.
+
+    The table and its gc_thresh limits are one for the whole host, every namespace's entries counted
+    together (only the root namespace can set them). Past gc_thresh3 (1024 by default: a lab of 22
+    nodes) the kernel logs "neighbor table overflow" and drops the packets of a connection it cannot
+    resolve, so at 32 nodes connections failed with "No route to host" or timed out."""
+    need = neighbour_entries(nodes)
+    for name, level in (("gc_thresh2", need), ("gc_thresh3", need * 2)):
+        path = NEIGH_SYSCTL / name
+        try:
+            if int(path.read_text()) < level:
+                path.write_text(f"{level}\n")
+                logger.info("raised net.ipv4.neigh.default.%s to %d for a lab of %d nodes", name, level, nodes)
+        except (OSError, ValueError) as error:
+            raise NetnsError(f"cannot raise {path} to {level} for a lab of {nodes} nodes ({error}): "
+                             f"{WHAT_TO_DO}") from None
+
+
 def _run(args: list[str], *, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
     try:
         done = subprocess.run(args, input=stdin, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)

@@ -90,6 +90,8 @@ def test_two_peers_in_namespaces(tmp_path):
     for name, node in report["netns_nodes"].items():
         assert node["tx"] == node["data_tx"] + node["control_tx"] and node["control_tx"] > 0, name
     assert report["control_bytes"] == sum(node["control_tx"] for node in report["netns_nodes"].values())
+    # joining (p2pd's bootstrap, the first records) is sent before the release, the rounds' control after it
+    assert 0 < report["control_bytes_training"] < report["control_bytes"], report
     lifetime_s = report["startup_s"] + report["wall_s"] + TEARDOWN_S
     assert report["control_bytes"] <= CONTROL_BYTES_PER_NODE_S * len(report["netns_nodes"]) * lifetime_s, report
     # the round's announcements went by post: only a lost post (or the first manifest's writer, whom no
