@@ -16,10 +16,11 @@ a git worktree of its own (experiments/revisions.py).
 A row is one `lowcomm simulate --netns --link RATE --peers N --steps S` of one algorithm at one
 revision, with the default run otherwise (DiLoCo uint8 or SparseLoCo, H = 30, the default model):
 the kernel counts every byte each namespace sends, the DHT's apart. Per row: the wire bytes, the
-DHT's (control) and the checkpoint downloads' shares of them, the DHT's bytes per node and second
-of the run (startup included), the peers' mean `manifest_s` per round (announcement to manifest,
-waiting for slower peers included), the DHT calls by kind (revisions that count them), the final
-held-out loss. Repetitions alternate the order of the revisions.
+DHT's (control) and the checkpoint downloads' shares of them, the DHT's share of what the nodes
+sent from the peers' release on ("in training": joining left out; revisions that report it), the
+DHT's bytes per node and second of the run (startup included), the peers' mean `manifest_s` per
+round (announcement to manifest, waiting for slower peers included), the DHT calls by kind
+(revisions that count them), the final held-out loss. Repetitions alternate the order of the revisions.
 
 ``--settings ttl30:sync.record_ttl_s=30`` runs the revision named ttl30 with that config value (a TOML
 file given to `simulate --config`), so one commit can be measured under other settings.
@@ -119,6 +120,8 @@ def figures(report: dict, records: list[dict]) -> dict:
     manifest = [r["manifest_s"] for r in records if r.get("manifest_s") is not None]
     return {"final_loss": report["final_loss"], "rounds": len(report["rounds"]), "bytes_sent": report["bytes_sent"],
             "wire_bytes": wire, "control_bytes": control, "checkpoint_bytes": report.get("checkpoint_bytes", 0),
+            "wire_bytes_training": report.get("wire_bytes_training"),
+            "control_bytes_training": report.get("control_bytes_training"),
             "nodes": nodes, "lifetime_s": lifetime_s,
             "control_bytes_per_node_s": control / nodes / lifetime_s if control is not None and nodes else None,
             "manifest_s_mean": statistics.mean(manifest) if manifest else None,
@@ -140,9 +143,9 @@ def write_table(out: Path, planned: list[tuple[str, str, int]], args) -> str:
              "coordinator); manifest s: the peers' mean wait from announcing a round to its manifest, waiting "
              "for slower peers included; agreement s: the median over rounds of the last peer's wait (everyone "
              "else waits already); DHT calls: per peer and round, where counted.", "",
-             "| algorithm | revision | runs | wire MB | DHT share | checkpoint share | DHT KB/s per node | "
-             "manifest s | agreement s | DHT calls / peer / round | final loss |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| algorithm | revision | runs | wire MB | DHT share | in training | checkpoint share | "
+             "DHT KB/s per node | manifest s | agreement s | DHT calls / peer / round | final loss |",
+             "| --- " * 12 + "|"]
     for algo in dict.fromkeys(a for a, _, _ in planned):
         for name in args.revisions:
             rows = [r for (a, n, _), r in sorted(done.items()) if a == algo and n == name]
@@ -151,9 +154,13 @@ def write_table(out: Path, planned: list[tuple[str, str, int]], args) -> str:
             mean = lambda key: statistics.mean(r[key] for r in rows)  # noqa: E731
             share = lambda key: statistics.mean(r[key] / r["wire_bytes"] for r in rows)  # noqa: E731
             calls = [sum(r["control_calls"].values()) / (r["rounds"] * r["peers"]) for r in rows if r["control_calls"]]
+            training = [r["control_bytes_training"] / r["wire_bytes_training"] for r in rows
+                        if r.get("wire_bytes_training")]
             lines.append(f"| {algo} | {name} ({rows[0]['commit'][:7]}) | {len(rows)} | "
                          f"{mean('wire_bytes') / 1e6:.1f} | "
-                         f"{share('control_bytes'):.1%} | {share('checkpoint_bytes'):.1%} | "
+                         f"{share('control_bytes'):.1%} | "
+                         f"{f'{statistics.mean(training):.1%}' if training else 'n/a'} | "
+                         f"{share('checkpoint_bytes'):.1%} | "
                          f"{mean('control_bytes_per_node_s') / 1e3:.1f} | {mean('manifest_s_mean'):.3f} | "
                          f"{mean('agreement_s'):.3f} | "
                          f"{f'{statistics.mean(calls):.1f}' if calls else 'not counted'} | {mean('final_loss'):.4f} |")

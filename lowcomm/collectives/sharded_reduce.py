@@ -52,7 +52,7 @@ from lowcomm.collectives.config import SyncConfig
 from lowcomm.collectives.sender_calls import SenderCalls, StrangerCalls
 from lowcomm.collectives.shard_fetch import ShardFetching, ShardReply
 from lowcomm.compress import get_codec
-from lowcomm.transport.service import PeerService
+from lowcomm.transport.service import ROUND_CALLS_MAX, PeerService
 from lowcomm.transport.signing import Signer, Verifier
 from lowcomm.transport.wire import Channels, Traffic
 
@@ -89,7 +89,9 @@ class ShardedReduce(ShardFetching, ReduceServing, Collective):
         self._agreeing = threading.Lock()
         self._ended: dict[str, int] = {}  # group -> the round whose exclusion ends its epoch
         self.lag = lag
-        self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="reduce")
+        # threads made as needed: a streamed round sends to every owner at once (as many as the service admits)
+        self._pool = ThreadPoolExecutor(max_workers=ROUND_CALLS_MAX + 8, thread_name_prefix="reduce")
+        self._service = service
         self._calls = SenderCalls(PER_SENDER_CALLS)  # Reduce calls being served, by claimed sender
         self._strangers = StrangerCalls(STRANGER_CALLS)  # ... by senders outside the recent manifests
         service.reduce_handler = self._serve_reduce
@@ -171,6 +173,7 @@ class ShardedReduce(ShardFetching, ReduceServing, Collective):
         t0 = time.monotonic()
         self.slots.reach(key.group, round_)
         manifest = self._manifest_for(key, round_)
+        self._service.fit_round(len(manifest.senders))
         if self.before_send is not None:
             self.before_send(round_)
         t_manifest = time.monotonic()

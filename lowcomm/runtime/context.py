@@ -41,7 +41,7 @@ from lowcomm.transport.control import ControlPlane
 from lowcomm.transport.identity import Identity, owner_marker_from_text, peer_id_of
 from lowcomm.transport.round_posts import RoundPosts
 from lowcomm.transport.signing import Signer
-from lowcomm.transport.service import PeerService
+from lowcomm.transport.service import SERVER_THREADS, PeerService
 from lowcomm.transport.wakeups import POSTED_DHT_POLL_S, Wakes, WakeSender
 from lowcomm.transport.shaper import LinkShaper
 from lowcomm.transport.wire import Channels, Traffic, start_server
@@ -93,7 +93,7 @@ class PeerContext:
         self.channels = Channels(sync.chunk_bytes)
         self.service = PeerService(self.me, self.traffic, self.channels)
         self.service.on_error = lambda method, error: self.log.event("reject", method=method, error=error[:200])
-        self.server, port = start_server(self.service, o.host, o.port, sync.chunk_bytes)
+        self.server, port = start_server(self.service, o.host, o.port, sync.chunk_bytes, max_workers=SERVER_THREADS)
         self.endpoint = grpc_endpoint(o.host, port, o.announce_addr)
         self.service.checkpointer = peer_id_of(owner_marker_from_text(o.run_key))  # the coordinator
         self.client_mode = self._decide_client_mode()

@@ -20,7 +20,8 @@ the command, so the process keeps its pid and leads its own group as before. The
 normal, an exception, Ctrl-C, SIGTERM to the launcher (turned into SystemExit), and the lab's
 reaper process covers a SIGKILLed launcher. The report adds `netns`, `wire_bytes` (every frame
 every node sent, Ethernet/IP/TCP headers and the DHT included, start-up to shut-down),
-`control_bytes` (the DHT's share of it; `control_bytes_training` from the peers' release on), `netns_nodes` (per node: cap and veth bytes by plane) and
+`control_bytes` (the DHT's share of it; `wire_bytes_training`, `control_bytes_training`: from the peers'
+release on), `netns_nodes` (per node: cap and veth bytes by plane) and
 `links` with each peer's cap and latency; `bytes_sent` stays lowcomm's own data-plane count.
 """
 

@@ -61,8 +61,7 @@ class NamespaceMode:
             caps[node.name] = node.rate_bits
         return {"netns": True, "wire_bytes": sum(n["tx"] for n in nodes.values()),
                 "control_bytes": sum(n["control_tx"] for n in nodes.values()),
-                "control_bytes_training": (sum(n["control_tx"] for n in nodes.values()) - self.released_bytes["control"]
-                                           if self.released_bytes is not None else None),
+                **self._training_bytes(nodes),
                 "wire_bytes_peers": sum(n["tx"] for name, n in nodes.items() if n["index"] is not None),
                 "caps": caps, "netns_nodes": nodes, "netns_lab": self.lab.tag}
 
@@ -72,3 +71,10 @@ class NamespaceMode:
             return
         sent = sum(node.counters()["tx"] for node in self.lab.nodes if self.node_indices.get(node.name) is not None)
         self.wire_samples.append((time.time(), sent))
+
+    def _training_bytes(self, nodes: dict) -> dict:
+        """What the nodes sent from the peers' release on: in all and the DHT's (None: not released)."""
+        if self.released_bytes is None:
+            return {"wire_bytes_training": None, "control_bytes_training": None}
+        return {"wire_bytes_training": sum(n["tx"] for n in nodes.values()) - self.released_bytes["total"],
+                "control_bytes_training": sum(n["control_tx"] for n in nodes.values()) - self.released_bytes["control"]}

@@ -14,6 +14,11 @@ a Ping is refused with RESOURCE_EXHAUSTED).
 The calls that may wait (Reduce, GetShard, GetState, Exchange) are admitted `MAX_WAITING_CALLS` at
 a time, fewer than the server's threads, so a flood of them never starves Ping or the stage calls:
 one beyond the cap ends at once with RESOURCE_EXHAUSTED and counts as an error (a `reject` event).
+A streamed round holds a Reduce call from every other contributor open at each owner at once, so
+the cap grows to fit the largest round this peer joined (`fit_round`: its contributors − 1 plus
+`OTHER_CALLS`, up to `ROUND_CALLS_MAX` + `OTHER_CALLS`); the server makes threads as needed up to
+`SERVER_THREADS`, 16 beyond the highest cap. A round's contributors come from a manifest that its
+members signed and checked, so a stranger cannot raise the cap.
 GetState, which anyone may call (a joiner has no membership to prove), holds at most
 `METHOD_CAPS["GetState"]` of those places, so a flood of state requests waiting for a far round
 cannot starve the members' Reduce calls. A handler that raises `Overloaded` (its own per-sender
@@ -47,7 +52,10 @@ from lowcomm.transport.wire import Channels, Traffic, context_deadline, deadline
 logger = logging.getLogger(__name__)
 DIAL_BACKS = 4  # dial-backs running at once; each holds a server thread up to DIAL_BACK_TIMEOUT_S
 DIAL_BACK_TIMEOUT_S = 5.0
-MAX_WAITING_CALLS = 48  # Reduce, GetShard, GetState and Exchange calls served at once (start_server: 64 threads)
+MAX_WAITING_CALLS = 48  # Reduce, GetShard, GetState and Exchange calls served at once, at least
+ROUND_CALLS_MAX = 512  # the most Reduce calls a round may hold open at once at one owner (contributors - 1)
+OTHER_CALLS = 16  # the waiting calls' places besides a round's Reduce calls
+SERVER_THREADS = ROUND_CALLS_MAX + OTHER_CALLS + 16  # made as needed; 16 beyond the cap: Ping, Wake, stage calls
 MAX_STAGE_CALLS = 8  # stage calls in a server at once (served one at a time; the others wait their turn)
 METHOD_CAPS = {"GetState": 8}  # of the waiting calls: GetState is unsigned (anyone may ask for the state)
 
@@ -153,6 +161,16 @@ class PeerService(wire_pb2_grpc.PeerServicer):
 
         context.add_callback(release)
         return release
+
+    def fit_round(self, contributors: int) -> None:
+        """Makes room for a round of `contributors`: each owner serves a Reduce call from every other one
+        at once. The cap only grows, up to ROUND_CALLS_MAX + OTHER_CALLS."""
+        need = min(max(contributors - 1, 0), ROUND_CALLS_MAX) + OTHER_CALLS
+        with self._lock:
+            if need <= self.max_waiting_calls:
+                return
+            self.max_waiting_calls = need
+        logger.info("serving up to %d waiting calls at once for a round of %d contributors", need, contributors)
 
     @property
     def waiting_calls(self) -> int:
