@@ -154,16 +154,20 @@ class ManifestAgreement:
     def publish_vote(self, group: str, round_: int, phi_hash: str, ttl: float) -> None:
         """This peer's φ hash of a round it applied: posted to the members of the last manifest it followed
         and the peers due in the group (their drift checks) and the coordinator (its anchors), as known from
-        the last read of the live records, and stored for anyone else (a download's check, a joiner's drift
-        check: a peer that joined since that read gets no post)."""
+        the last read of the live records. A peer that joined since that read gets no post: it pulls the
+        vote from this peer (round_reads.votes). Stored as well only where a post did not arrive, where
+        this peer cannot be dialled (client mode: nobody can pull it), or where no coordinator is in the
+        run (a download's check then takes the majority of every stored vote) (Decision 39)."""
         records = self.reads.live(cached=True)
         endpoints = [rec.endpoint for p, rec in records.items() if p != self.me and self.admits(p)
                      and ((rec.state in ("training", "joining") and self.due_in_group(group, rec))
                           or rec.state in ("coordinator", "holder"))]
         endpoints += [e for p, e in self._endpoints.get(group, {}).items() if p != self.me]
+        coordinated = any(rec.state == "coordinator" for rec in records.values())
         self.wakes.publish(endpoints if self.wakes.posting else [], VOTE, group, round_,
                            self.control.record({"hash": phi_hash}),
-                           store=lambda: self.control.publish_phi_hash(group, round_, phi_hash, ttl))
+                           store=lambda: self.control.publish_phi_hash(group, round_, phi_hash, ttl),
+                           posted_only=coordinated and not self.client_mode)
 
     def votes(self, group: str, round_: int, voters=frozenset(), fresh: bool = False) -> dict[str, str]:
         """peer -> its φ hash of ``round_`` (round_reads.RoundReads.votes)."""

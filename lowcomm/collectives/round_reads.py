@@ -1,5 +1,5 @@
 """What agreement reads of a round (and the drift check of its φ votes): the records posted to this peer
-(transport.round_posts) and the DHT's.
+(transport.round_posts), the votes pulled from their voters (transport.post_pulls) and the DHT's.
 
 The posts are read at every look; the DHT when a look asks for it (``fresh``: before a round goes
 on without a peer, before this peer writes a manifest, a second look at racing manifests, a reader
@@ -39,15 +39,28 @@ class RoundReads:
         return out
 
     def votes(self, group: str, round_: int, voters=frozenset(), fresh: bool = False) -> dict[str, str]:
-        """peer -> its φ hash of the round, posted or stored: the DHT is not read once every one of
-        ``voters`` posted its vote, and otherwise at its poll (or now: ``fresh``)."""
-        posted = {p: v["hash"] for p, v in self.wakes.posted(VOTE, group, round_).items()
-                  if isinstance(v.get("hash"), str)}
+        """peer -> its φ hash of the round, posted, pulled or stored: nothing more is read once every one
+        of ``voters`` posted its vote; otherwise at the DHT's poll (or now: ``fresh``) the voters still
+        missing are asked for their votes (transport.post_pulls: a vote is stored only where a post did
+        not reach, Decision 39), and the DHT is read if one is still missing."""
+        posted = self._posted_votes(group, round_)
         if voters and set(voters) <= posted.keys():
             return posted
-        if fresh or self.wakes.dht_due(VOTE, group, round_):
-            return {**posted, **self.control.phi_hashes(group, round_)}
-        return posted
+        if not (fresh or self.wakes.dht_due(VOTE, group, round_)):
+            return posted
+        missing = set(voters) - posted.keys()
+        if missing:
+            records = self.live(cached=True)
+            if self.wakes.pull(VOTE, group, round_, {p: records[p].endpoint for p in missing if p in records
+                                                     and records[p].endpoint and not records[p].client_mode}):
+                posted = self._posted_votes(group, round_)
+                if set(voters) <= posted.keys():
+                    return posted
+        return {**posted, **self.control.phi_hashes(group, round_)}
+
+    def _posted_votes(self, group: str, round_: int) -> dict[str, str]:
+        return {p: v["hash"] for p, v in self.wakes.posted(VOTE, group, round_).items()
+                if isinstance(v.get("hash"), str)}
 
     def live(self, cached: bool = False) -> dict[str, PeerRecord]:
         """The live peer records, read again once older than a poll (a round's looks share one read);

@@ -59,6 +59,11 @@ class PeerStub:
                 request_serializer=lowcomm_dot_proto_dot_wire__pb2.WakeRequest.SerializeToString,
                 response_deserializer=lowcomm_dot_proto_dot_wire__pb2.WakeReply.FromString,
                 _registered_method=True)
+        self.GetPost = channel.unary_unary(
+                '/lowcomm.Peer/GetPost',
+                request_serializer=lowcomm_dot_proto_dot_wire__pb2.PostRequest.SerializeToString,
+                response_deserializer=lowcomm_dot_proto_dot_wire__pb2.WakeRequest.FromString,
+                _registered_method=True)
         self.Exchange = channel.stream_unary(
                 '/lowcomm.Peer/Exchange',
                 request_serializer=lowcomm_dot_proto_dot_wire__pb2.ExchangeChunk.SerializeToString,
@@ -109,6 +114,12 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetPost(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Exchange(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -154,6 +165,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Wake,
                     request_deserializer=lowcomm_dot_proto_dot_wire__pb2.WakeRequest.FromString,
                     response_serializer=lowcomm_dot_proto_dot_wire__pb2.WakeReply.SerializeToString,
+            ),
+            'GetPost': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPost,
+                    request_deserializer=lowcomm_dot_proto_dot_wire__pb2.PostRequest.FromString,
+                    response_serializer=lowcomm_dot_proto_dot_wire__pb2.WakeRequest.SerializeToString,
             ),
             'Exchange': grpc.stream_unary_rpc_method_handler(
                     servicer.Exchange,
@@ -306,6 +322,33 @@ class Peer:
             '/lowcomm.Peer/Wake',
             lowcomm_dot_proto_dot_wire__pb2.WakeRequest.SerializeToString,
             lowcomm_dot_proto_dot_wire__pb2.WakeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPost(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lowcomm.Peer/GetPost',
+            lowcomm_dot_proto_dot_wire__pb2.PostRequest.SerializeToString,
+            lowcomm_dot_proto_dot_wire__pb2.WakeRequest.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,6 +8,9 @@ exactly as far as the DHT's copy, and agreement (collectives.manifest) merges th
 posts at every wake and the DHT only at a slow fallback poll, and once more before it leaves a peer
 out of a round.
 
+A peer keeps its own signed posts of the newest rounds, so a reader that no post reached (it joined
+after the writer posted) can pull one from the writer (transport.post_pulls) and check it as a post.
+
 A replayed or reordered post changes nothing: an announcement only moves forward (announced ahead,
 then reached, then withdrawn) whatever order its posts arrive in, and a writer's manifest or vote of a
 round is the first one it posted. The posts held are bounded: MAX_VALUE_BYTES each, MAX_POSTS_PER_ROUND
@@ -72,6 +75,7 @@ class RoundPosts:
         self.verifier = Verifier()
         self._lock = threading.Lock()
         self._rounds: OrderedDict[tuple[str, str, int], dict[str, dict]] = OrderedDict()
+        self._own: OrderedDict[tuple[str, str, int], wire_pb2.WakeRequest] = OrderedDict()  # as signed and sent
         self.accepted = 0
 
     def accept(self, request) -> tuple[str, int]:
@@ -114,6 +118,20 @@ class RoundPosts:
             if held is None or (kind == ANNOUNCE and announcement_rank(value) > announcement_rank(held)):
                 posts[writer] = value
             self.accepted += 1
+
+    def keep_own(self, request: wire_pb2.WakeRequest) -> None:
+        """Keeps this peer's own signed post (post_request) to answer a pull (transport.post_pulls); the
+        first one of a (kind, group, round), for the newest MAX_ROUNDS of them."""
+        key = (request.kind, request.group, int(request.round))
+        with self._lock:
+            self._own.setdefault(key, request)
+            while len(self._own) > MAX_ROUNDS * len(KINDS):
+                self._own.popitem(last=False)
+
+    def own(self, kind: str, group: str, round_: int) -> wire_pb2.WakeRequest | None:
+        """This peer's own signed post of (kind, group, round), if it made one lately."""
+        with self._lock:
+            return self._own.get((kind, group, int(round_)))
 
     def records(self, kind: str, group: str, round_: int) -> dict[str, dict]:
         """writer -> record posted for (kind, group, round); withdrawn announcements included."""

@@ -24,6 +24,9 @@ GetState, which anyone may call (a joiner has no membership to prove), holds at 
 cannot starve the members' Reduce calls. A handler that raises `Overloaded` (its own per-sender
 cap) ends its call the same way.
 
+GetPost answers with this peer's own signed round post (transport.post_pulls), or an empty one: it
+holds no place among the waiting calls, as nothing waits, and a reader checks the answer as a post.
+
 A bare Wake (transport.wakeups) is a hint with nothing to trust in it: a malformed one is refused and
 counted, a well-formed one at most makes a waiting agreement read the DHT sooner. A Wake that carries
 a round post (transport.round_posts) is kept only once its writer's signature and record check out.
@@ -45,7 +48,7 @@ import grpc
 
 from lowcomm.proto import wire_pb2, wire_pb2_grpc
 from lowcomm.transport.addresses import ip_of, join_host_port, split_endpoint
-from lowcomm.transport.round_posts import PostRefused, RoundPosts
+from lowcomm.transport.round_posts import KINDS, PostRefused, RoundPosts
 from lowcomm.transport.wakeups import Wakeups, valid_wake
 from lowcomm.transport.wire import Channels, Traffic, context_deadline, deadline_after
 
@@ -307,6 +310,20 @@ class PeerService(wire_pb2_grpc.PeerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused)
         self.wakeups.notify(request.group, request.round)
         reply = wire_pb2.WakeReply()
+        self.traffic.count_sent(reply, deadline)
+        return reply
+
+    def GetPost(self, request, context):
+        """This peer's own signed round post of (kind, group, round), for a reader that no post reached
+        (transport.post_pulls); an empty one where it holds none. Nothing waits: answered at once."""
+        deadline = context_deadline(context)
+        self.traffic.count_received(request, deadline)
+        refused = valid_wake(request) or (None if request.kind in KINDS else f"no post kind {request.kind[:32]!r}")
+        if refused is not None:
+            self._failed("GetPost", ValueError(refused), context)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused)
+        own = self.posts.own(request.kind, request.group, request.round) if self.posts is not None else None
+        reply = own if own is not None and request.run == self.posts.run else wire_pb2.WakeRequest()
         self.traffic.count_sent(reply, deadline)
         return reply
 

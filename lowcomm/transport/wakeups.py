@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from lowcomm.proto import wire_pb2
+from lowcomm.transport.post_pulls import pull_posts
 from lowcomm.transport.round_posts import RoundPosts, post_request
 from lowcomm.transport.signing import Signer
 from lowcomm.transport.wire import Channels, Traffic, deadline_after
@@ -230,12 +231,20 @@ class Wakes:
             self.wake(endpoints, group, round_)
             return
         self.posts.add(kind, group, round_, self.signer.peer_id, record)
+        request = post_request(self.signer, self.posts.run, kind, group, round_, record)
+        self.posts.keep_own(request)  # for a reader that pulls it (transport.post_pulls)
         fallback = store if posted_only and self.sender is not None else None
         if self.sender is not None:
-            self.sender.send(endpoints, post_request(self.signer, self.posts.run, kind, group, round_, record),
-                             on_failed=fallback)
+            self.sender.send(endpoints, request, on_failed=fallback)
         if store is not None and fallback is None:
             store()
+
+    def pull(self, kind: str, group: str, round_: int, writers: dict[str, str]) -> set[str]:
+        """Asks ``writers`` (peer id -> endpoint) for their own posts of the round (transport.post_pulls);
+        those kept, as if posted. Nothing without posts or a sender."""
+        if not (self.posting and self.sender is not None and writers):
+            return set()
+        return pull_posts(self.sender.channels, self.sender.traffic, self.posts, kind, group, round_, writers)
 
     @property
     def posting(self) -> bool:

@@ -121,17 +121,17 @@ class PostRecorder(RecordingSender):
             on_failed()
 
 
-def posting_peer(live: dict, store: dict, fail: bool = False):
+def posting_peer(live: dict, store: dict, fail: bool = False, client_mode: bool = False):
     signer = Signer.generate()
     me = signer.peer_id
-    live[me] = PeerRecord(me, "me:1", state="training", round=5)
+    live[me] = PeerRecord(me, "me:1", state="training", round=5, client_mode=client_mode)
     sender = PostRecorder(fail)
-    agreement = ManifestAgreement(CountedControl(me, store, live), SYNC, "me:1",
+    agreement = ManifestAgreement(CountedControl(me, store, live), SYNC, "me:1", client_mode=client_mode,
                                   wakes=Wakes(Wakeups(), sender, NEVER_S, posts=RoundPosts("run"), signer=signer))
     return agreement, sender, me
 
 
-def test_a_vote_is_posted_to_the_due_peers_and_the_coordinator_and_stored():
+def test_a_vote_is_posted_to_the_due_peers_and_the_coordinator_and_stored_only_where_a_post_cannot_reach():
     live = {"b": PeerRecord("b", "b:1", state="training", round=5),
             "coord": PeerRecord("coord", "coord:1", state="coordinator"),
             "gone": PeerRecord("gone", "gone:1", state="leaving", round=5)}
@@ -139,8 +139,17 @@ def test_a_vote_is_posted_to_the_due_peers_and_the_coordinator_and_stored():
     agreement, sender, me = posting_peer(live, store)
     agreement.publish_vote("0-0", 5, "h5", 60)
     assert sender.posted == [({"b:1", "coord:1"}, VOTE, {"peer_id": me, "hash": "h5"})]
-    assert store[("phi", "0-0", 5)] == {me: "h5"}  # for a download's check and a peer that joined since
+    assert ("phi", "0-0", 5) not in store  # a peer that joined since pulls it from this one (Decision 39)
     assert agreement.votes("0-0", 5, {me}) == {me: "h5"}  # its own vote, kept among its posts
+    lost, _, lost_me = posting_peer(dict(live), store, fail=True)  # its post does not arrive: stored
+    lost.publish_vote("0-0", 6, "h6", 60)
+    assert store[("phi", "0-0", 6)] == {lost_me: "h6"}
+    client, _, client_me = posting_peer(dict(live), store, client_mode=True)  # nobody can dial it to pull it
+    client.publish_vote("0-0", 7, "h7", 60)
+    assert store[("phi", "0-0", 7)] == {client_me: "h7"}
+    alone, _, alone_me = posting_peer({"b": live["b"]}, store)  # no coordinator: a download's check reads them
+    alone.publish_vote("0-0", 8, "h8", 60)
+    assert store[("phi", "0-0", 8)] == {alone_me: "h8"}
 
 
 def test_a_vote_goes_to_the_members_of_the_manifest_followed_too():
