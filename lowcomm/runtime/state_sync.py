@@ -261,8 +261,8 @@ class StateSync:
         applied agreed on (`drift_sources`) resyncs from a contributor that holds it. Nobody else's
         hash counts; a peer that applied no round since its state was downloaded (checked against the
         agreed hash then) has no voters and no verdict. The verdict waits (up to announce_s) for every
-        voter's hash, and without them all is left to the next check: a verdict on part of the hashes
-        could follow a minority.
+        voter's hash, and without them all is left to the next check (a `drift_unchecked` event): a verdict
+        on part of the hashes could follow a minority.
 
         True when it resynced: the caller's round is then behind this peer and must not run.
         """
@@ -275,9 +275,10 @@ class StateSync:
             if self.ctx.stop.wait(0.2):
                 return False
             hashes = self._votes(group, round_, voters)
-        if not voters <= hashes.keys():  # a vote whose post was lost: one last look in the DHT
+        if not voters <= hashes.keys():  # a vote neither posted nor pulled yet: one last look (a pull, the DHT)
             hashes = self._votes(group, round_, voters, fresh=True)
             if not voters <= hashes.keys():
+                self.ctx.log.event("drift_unchecked", round=round_, missing=len(voters - hashes.keys()))
                 return False
         sources = drift_sources(hashes, self.ctx.me, voters)
         if sources is None:

@@ -89,6 +89,8 @@ def test_a_joiner_fetches_the_round_in_flight_and_holds_the_members_phi(scenario
     for r in own:  # from then on it holds the members' φ after every round
         assert len({x["phi_hash"] for x in rounds_of(records)[r["round"]]}) == 1
     assert any(joiner in r["contributors"] for r in own[1:])
+    # its drift checks found every voter's φ vote: posted, or pulled from the voter (Decision 39)
+    assert not events(records, "drift_unchecked", joiner), events(records, "drift_unchecked", joiner)
 
 
 def test_a_landed_round_is_charged_the_bytes_its_background_reduce_sent(scenario):
