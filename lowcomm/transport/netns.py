@@ -17,7 +17,7 @@ program run through `node.wrap(cmd)`, lowcomm or not.
   the host does not forward (the lab leaves ip_forward alone), so nothing leaves the machine. IPv6
   is off on the lab's links, so router solicitations and the like do not add to the counters.
 - **Neighbours.** The kernel's ARP table is one for the whole host, its limits too: a lab of n nodes
-  can hold about 2n² entries (1024 by default: past 22 nodes connections failed), so `add_node`
+  can hold about 2n² entries (1024 by default: past about 22 nodes connections can fail), so `add_node`
   raises gc_thresh2 and gc_thresh3 to fit (`fit_neighbour_table`), and never lowers them.
 - **Caps.** The same htb tree on the node's `eth0` (its egress is the node's upload) and on the
   host-side veth (its egress toward the node is the node's download): a root class at the link
