@@ -85,8 +85,9 @@ def fit_neighbour_table(nodes: int) -> None:
                 path.write_text(f"{level}\n")
                 logger.info("raised net.ipv4.neigh.default.%s to %d for a lab of %d nodes", name, level, nodes)
         except (OSError, ValueError) as error:
-            raise NetnsError(f"cannot raise {path} to {level} for a lab of {nodes} nodes ({error}): "
-                             f"{WHAT_TO_DO}") from None
+            raise NetnsError(f"cannot raise {path} to {level} for a lab of {nodes} nodes ({error}): run "
+                             f"`sysctl -w net.ipv4.neigh.default.{name}={level}` as root, or simulate fewer "
+                             f"peers") from None
 
 
 def _run(args: list[str], *, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess:

@@ -1,7 +1,7 @@
 """A lab of 34 nodes: every node reaches every other on both planes. The host's ARP table is one for
 all namespaces, and 34 nodes that all talk need more entries than its default limit (1024), which
 the lab raises (transport.netns, "Neighbours"); past it connections failed with "No route to host"
-or timed out."""
+or timed out. The limits are only ever raised, and a host that refuses says what to run."""
 
 from __future__ import annotations
 
@@ -63,3 +63,23 @@ def test_every_node_of_a_34_node_lab_reaches_every_other_on_both_planes(lab, pro
     for process in meshes:
         process.stdin.close()
     assert {name: failed for name, failed in failures.items() if failed} == {}
+
+
+def read_only(*args, **kwargs):
+    raise PermissionError("read-only file system")
+
+
+def test_the_limits_are_raised_to_fit_never_lowered_and_a_refusal_says_what_to_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(netns_commands, "NEIGH_SYSCTL", tmp_path)
+    (tmp_path / "gc_thresh2").write_text("512\n")
+    (tmp_path / "gc_thresh3").write_text("100000\n")
+    netns_commands.fit_neighbour_table(4)  # 40 entries: both limits already fit
+    assert (tmp_path / "gc_thresh2").read_text() == "512\n" and (tmp_path / "gc_thresh3").read_text() == "100000\n"
+    netns_commands.fit_neighbour_table(34)
+    need = netns_commands.neighbour_entries(34)
+    assert int((tmp_path / "gc_thresh2").read_text()) == need and need > 2000
+    assert (tmp_path / "gc_thresh3").read_text() == "100000\n"  # higher already: left as it was
+    (tmp_path / "gc_thresh2").write_text("512\n")
+    monkeypatch.setattr(netns_commands.Path, "write_text", read_only)  # as /proc/sys in an unprivileged container
+    with pytest.raises(netns_commands.NetnsError, match=r"sysctl -w net\.ipv4\.neigh\.default\.gc_thresh2="):
+        netns_commands.fit_neighbour_table(34)
