@@ -82,6 +82,13 @@ class Simulation(NamespaceMode):
     def use_netns(self) -> bool:
         return self.config.link.netns if self.netns is None else self.netns
 
+    def close(self) -> list[str]:
+        """stop_all(), then the lab; returns the names of groups that survived."""
+        try:
+            return self.stop_all()
+        finally:
+            self.close_lab()
+
     def start_coordinator(self, resume: Path | None = None) -> dict:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         for folder in ("peers", "launcher"):

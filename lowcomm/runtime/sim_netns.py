@@ -39,13 +39,6 @@ class NamespaceMode:
         if self.lab is not None:
             self.lab.close()
 
-    def close(self) -> list[str]:
-        """stop_all(), then the lab; returns the names of groups that survived."""
-        try:
-            return self.stop_all()
-        finally:
-            self.close_lab()
-
     def netns_figures(self, ids: dict[int, str]) -> dict:
         """The lab's counters (final once it is closed) for the report."""
         nodes, caps = {}, {}
