@@ -181,7 +181,8 @@ class PeerContext:
                 logger.info("closing %s: %s", name, e)
         self.log.event("exit", bytes_sent=self.traffic.sent, checkpoint_bytes=self.traffic.checkpoint_sent,
                        compute_s=self.compute_seconds(), server_stopped=stopped,
-                       control_calls=dict(self.control.calls) if self.control is not None else {})
+                       control_calls=dict(self.control.calls) if self.control is not None else {},
+                       control_searches=dict(self.control.searches) if self.control is not None else {})
         self.log.close()
 
     def _stop_server(self) -> bool:

@@ -15,11 +15,13 @@ import math
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
 import hivemind
 from hivemind.utils import get_dht_time
 
+from lowcomm.transport import dht_stores
 from lowcomm.transport.addresses import dht_maddrs
 from lowcomm.transport.identity import Identity, peer_id_of
 from lowcomm.transport.join_token import MAX_TOKEN_CHARS
@@ -157,6 +159,7 @@ class ControlPlane:
         self.rejected_records = 0
         self.run_epoch = 0.0  # from the run config's record (fetch_config)
         self.calls: Counter[str] = Counter()  # "store peers", "get announce", ...: this node's DHT calls by kind
+        self.searches: Counter[str] = Counter()  # "peers", ...: the stores among them that searched the key's nodes
 
     @classmethod
     def start(cls, identity: Identity, run: str, initial_peers: list[str] | None = None,
@@ -214,14 +217,24 @@ class ControlPlane:
 
     # ---- generic signed records -------------------------------------------------------------
 
+    def _kind(self, key: str) -> str:
+        return key[len(self.run) + 1:].split(".", 1)[0] if key.startswith(f"{self.run}.") else key
+
     def _count(self, call: str, key: str) -> None:
-        kind = key[len(self.run) + 1:].split(".", 1)[0] if key.startswith(f"{self.run}.") else key
-        self.calls[f"{call} {kind}"] += 1
+        self.calls[f"{call} {self._kind(key)}"] += 1
 
     def _store(self, key: str, value: dict, ttl: float) -> bool:
+        return self._store_until(key, value, get_dht_time() + ttl)
+
+    def _store_until(self, key: str, value: dict, expiration: float) -> bool:
+        """Stores this peer's record under ``key`` on the key's nearest nodes, searching for them only when
+        the DHT's process does not remember them (transport.dht_stores)."""
         self._count("store", key)
-        return bool(self._wait(lambda: self.dht.store(key, value, get_dht_time() + ttl,
-                                                      subkey=self.identity.owner_marker, return_future=True)))
+        call = partial(dht_stores.store, key=key, subkey=self.identity.owner_marker, value=value, expiration=expiration)
+        ok, searched = self._wait(lambda: self.dht.run_coroutine(call, return_future=True))
+        if searched:
+            self.searches[self._kind(key)] += 1
+        return bool(ok)
 
     def _expire(self, key: str, ttl: float) -> None:
         """Replaces this key's record with a tombstone that outlives it (readers drop ``gone`` records).
@@ -231,10 +244,8 @@ class ControlPlane:
         expiration. The tombstone expires ``ttl`` (the record's lifetime) plus TOMBSTONE_MARGIN_S from
         now, later than the record and than a heartbeat that was already in flight.
         """
-        self._count("store", key)
-        self._wait(lambda: self.dht.store(key, {"peer_id": self.identity.peer_id, "gone": True},
-                                          get_dht_time() + ttl + TOMBSTONE_MARGIN_S,
-                                          subkey=self.identity.owner_marker, return_future=True))
+        self._store_until(key, {"peer_id": self.identity.peer_id, "gone": True},
+                          get_dht_time() + ttl + TOMBSTONE_MARGIN_S)
 
     def _read(self, key: str) -> dict[str, dict]:
         """peer_id -> value for every well-formed record under `key` whose signer matches its peer_id."""

@@ -1,0 +1,88 @@
+"""Stores of lowcomm's records straight to the nodes that hold their key (docs/scale.md, plan 5).
+
+hivemind's store (``DHTNode.store_many``) first searches the key's nearest nodes with the call a read
+makes, and every node it asks answers with all of the key's records: of a store of one peer record
+into the run's peers key, most of the bytes are that download. A record is stored again under the
+same key every few seconds (a heartbeat, the stats) while the nodes nearest the key rarely change, so
+the DHT's process remembers, per key, the nodes a search found, and stores the signed record straight
+to them (``DHTProtocol.call_store``), exactly as hivemind's store does once its search ends.
+
+It searches again when it remembers no nodes for the key, when they were found more than
+NEAREST_MAX_AGE_S ago (nodes that joined since may be nearer), when a search found fewer than
+``num_replicas`` (a DHT still filling: nothing is remembered then), and when one of them did not
+answer: that store then goes through hivemind's own store. These functions run in the DHT's
+process (``hivemind.DHT.run_coroutine``); what they remember lives there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+from hivemind.dht.node import DHTNode
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
+
+NEAREST_MAX_AGE_S = 60.0  # how long the nodes found nearest a key are trusted without a new search
+MAX_KEYS = 256  # keys whose nearest nodes are remembered (the oldest are forgotten first)
+
+_nearest: dict[DHTID, tuple[float, dict]] = {}  # key id -> (found at, {node id: peer id}), in the DHT's process
+
+
+async def store(_dht, node: DHTNode, key: str, subkey: bytes, value, expiration: float) -> tuple[bool, bool]:
+    """Stores ``value`` under ``key``/``subkey`` until ``expiration`` on the key's nearest nodes:
+    (whether a node took it, whether this store searched for them)."""
+    key_id = DHTID.generate(source=key)
+    found = _nearest.get(key_id)
+    searched = found is None or time.monotonic() - found[0] > NEAREST_MAX_AGE_S
+    if searched:
+        nearest = (await node.find_nearest_nodes([key_id], k_nearest=node.num_replicas)).get(key_id, {})
+        remember(key_id, nearest, full=len(nearest) >= node.num_replicas)
+    else:
+        nearest = found[1]
+    results = await _store_to(node, key_id, nearest, subkey, value, expiration)
+    if not nearest or None in results:  # a node did not answer: search again, now and next time
+        _nearest.pop(key_id, None)
+        ok = await node.store(key, value, expiration, subkey=subkey)
+        return bool(ok), True
+    return any(results), searched
+
+
+def remember(key_id: DHTID, nearest: dict, full: bool) -> None:
+    _nearest.pop(key_id, None)
+    if not full:
+        return
+    while len(_nearest) >= MAX_KEYS:
+        _nearest.pop(next(iter(_nearest)))
+    _nearest[key_id] = (time.monotonic(), dict(nearest))
+
+
+async def _store_to(node: DHTNode, key_id: DHTID, nearest: dict, subkey: bytes, value,
+                    expiration: float) -> list[bool | None]:
+    """The signed record stored on each of ``nearest`` (this node's own storage where it is one of them):
+    per node, True (taken), False (refused: it holds a newer record), None (no answer)."""
+    protocol = node.protocol
+    record = DHTRecord(key_id.to_bytes(), protocol.serializer.dumps(subkey), protocol.serializer.dumps(value),
+                       expiration)
+    if protocol.record_validator is not None:
+        record = dataclasses.replace(record, value=protocol.record_validator.sign_value(record))
+
+    async def one(node_id: DHTID, peer_id) -> bool | None:
+        if node_id == node.node_id:
+            if protocol.record_validator is not None and not protocol.record_validator.validate(record):
+                return False
+            return protocol.storage.store(key_id, record.value, expiration, subkey=subkey)
+        answer = await protocol.call_store(peer_id, keys=[key_id], values=[record.value],
+                                           expiration_time=[expiration], subkeys=[subkey])
+        return None if answer is None else bool(answer and answer[0])
+
+    return list(await asyncio.gather(*(one(n, p) for n, p in nearest.items())))
+
+
+async def remembered(_dht, _node: DHTNode, key: str) -> list[str]:
+    """The peer ids of the nodes remembered nearest ``key`` (none if it would search)."""
+    found = _nearest.get(DHTID.generate(source=key))
+    if found is None or time.monotonic() - found[0] > NEAREST_MAX_AGE_S:
+        return []
+    return [str(peer_id) for peer_id in found[1].values()]
