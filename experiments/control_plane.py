@@ -186,6 +186,7 @@ def main() -> None:
     args = ap.parse_args()
     args.revisions = parse_revisions(args.revisions)
     args.settings = parse_settings(args.settings)
+    args.out = args.out.resolve()  # the runs start in each revision's worktree
     args.out.mkdir(parents=True, exist_ok=True)
     planned = planned_rows(args)
     if args.table_only:
