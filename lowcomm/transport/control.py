@@ -21,7 +21,7 @@ from typing import Any
 import hivemind
 from hivemind.utils import get_dht_time
 
-from lowcomm.transport import dht_stores
+from lowcomm.transport import dht_reads, dht_stores
 from lowcomm.transport.addresses import dht_maddrs
 from lowcomm.transport.identity import Identity, peer_id_of
 from lowcomm.transport.join_token import MAX_TOKEN_CHARS
@@ -159,7 +159,7 @@ class ControlPlane:
         self.rejected_records = 0
         self.run_epoch = 0.0  # from the run config's record (fetch_config)
         self.calls: Counter[str] = Counter()  # "store peers", "get announce", ...: this node's DHT calls by kind
-        self.searches: Counter[str] = Counter()  # "peers", ...: the stores among them that searched the key's nodes
+        self.searches: Counter[str] = Counter()  # "store peers", ...: the calls among them that searched the DHT
 
     @classmethod
     def start(cls, identity: Identity, run: str, initial_peers: list[str] | None = None,
@@ -217,40 +217,40 @@ class ControlPlane:
 
     # ---- generic signed records -------------------------------------------------------------
 
-    def _kind(self, key: str) -> str:
+    def _kind(self, key: str) -> str:  # "peers", "announce", ...: a key's kind
         return key[len(self.run) + 1:].split(".", 1)[0] if key.startswith(f"{self.run}.") else key
 
     def _count(self, call: str, key: str) -> None:
         self.calls[f"{call} {self._kind(key)}"] += 1
 
-    def _store(self, key: str, value: dict, ttl: float) -> bool:
+    def _store(self, key: str, value: dict, ttl: float) -> bool:  # lives ``ttl`` seconds from now
         return self._store_until(key, value, get_dht_time() + ttl)
 
     def _store_until(self, key: str, value: dict, expiration: float) -> bool:
-        """Stores this peer's record under ``key`` on the key's nearest nodes, searching for them only when
-        the DHT's process does not remember them (transport.dht_stores)."""
-        self._count("store", key)
-        call = partial(dht_stores.store, key=key, subkey=self.identity.owner_marker, value=value, expiration=expiration)
-        ok, searched = self._wait(lambda: self.dht.run_coroutine(call, return_future=True))
+        """Stores this peer's record under ``key`` on the key's nearest nodes (transport.dht_stores)."""
+        return bool(self._call("store", key, partial(dht_stores.store, key=key, subkey=self.identity.owner_marker,
+                                                      value=value, expiration=expiration)))
+
+    def _call(self, call: str, key: str, coroutine):
+        """``coroutine``'s result from the DHT's process, the call counted (and, if it searched, the search)."""
+        self._count(call, key)
+        result, searched = self._wait(lambda: self.dht.run_coroutine(coroutine, return_future=True))
         if searched:
-            self.searches[self._kind(key)] += 1
-        return bool(ok)
+            self.searches[f"{call} {self._kind(key)}"] += 1
+        return result
 
     def _expire(self, key: str, ttl: float) -> None:
         """Replaces this key's record with a tombstone that outlives it (readers drop ``gone`` records).
-
         A record cannot be deleted, and a DHT node keeps, per subkey, the value that expires last: an
         overwrite expiring sooner than the record loses to it, and the record lingers until its own
         expiration. The tombstone expires ``ttl`` (the record's lifetime) plus TOMBSTONE_MARGIN_S from
-        now, later than the record and than a heartbeat that was already in flight.
-        """
+        now, later than the record and than a heartbeat that was already in flight."""
         self._store_until(key, {"peer_id": self.identity.peer_id, "gone": True},
                           get_dht_time() + ttl + TOMBSTONE_MARGIN_S)
 
     def _read(self, key: str) -> dict[str, dict]:
         """peer_id -> value for every well-formed record under `key` whose signer matches its peer_id."""
-        self._count("get", key)
-        found = self._wait(lambda: self.dht.get(key, latest=True, return_future=True))
+        found = self._call("get", key, partial(dht_reads.read, key=key))  # transport.dht_reads
         if found is None or not isinstance(found.value, dict):
             return {}
         out = {}

@@ -34,19 +34,27 @@ async def store(_dht, node: DHTNode, key: str, subkey: bytes, value, expiration:
     """Stores ``value`` under ``key``/``subkey`` until ``expiration`` on the key's nearest nodes:
     (whether a node took it, whether this store searched for them)."""
     key_id = DHTID.generate(source=key)
-    found = _nearest.get(key_id)
-    searched = found is None or time.monotonic() - found[0] > NEAREST_MAX_AGE_S
+    found = nearest(key_id)
+    searched = not found
     if searched:
-        nearest = (await node.find_nearest_nodes([key_id], k_nearest=node.num_replicas)).get(key_id, {})
-        remember(key_id, nearest, full=len(nearest) >= node.num_replicas)
-    else:
-        nearest = found[1]
-    results = await _store_to(node, key_id, nearest, subkey, value, expiration)
-    if not nearest or None in results:  # a node did not answer: search again, now and next time
-        _nearest.pop(key_id, None)
+        found = (await node.find_nearest_nodes([key_id], k_nearest=node.num_replicas)).get(key_id, {})
+        remember(key_id, found, full=len(found) >= node.num_replicas)
+    results = await _store_to(node, key_id, found, subkey, value, expiration)
+    if not found or None in results:  # a node did not answer: search again, now and next time
+        forget(key_id)
         ok = await node.store(key, value, expiration, subkey=subkey)
         return bool(ok), True
     return any(results), searched
+
+
+def nearest(key_id: DHTID) -> dict:
+    """The nodes remembered nearest the key ({node id: peer id}), if found within NEAREST_MAX_AGE_S."""
+    found = _nearest.get(key_id)
+    return {} if found is None or time.monotonic() - found[0] > NEAREST_MAX_AGE_S else found[1]
+
+
+def forget(key_id: DHTID) -> None:
+    _nearest.pop(key_id, None)
 
 
 def remember(key_id: DHTID, nearest: dict, full: bool) -> None:
@@ -82,7 +90,4 @@ async def _store_to(node: DHTNode, key_id: DHTID, nearest: dict, subkey: bytes, 
 
 async def remembered(_dht, _node: DHTNode, key: str) -> list[str]:
     """The peer ids of the nodes remembered nearest ``key`` (none if it would search)."""
-    found = _nearest.get(DHTID.generate(source=key))
-    if found is None or time.monotonic() - found[0] > NEAREST_MAX_AGE_S:
-        return []
-    return [str(peer_id) for peer_id in found[1].values()]
+    return [str(peer_id) for peer_id in nearest(DHTID.generate(source=key)).values()]

@@ -38,18 +38,18 @@ def test_a_store_searches_once_then_goes_straight_to_the_nodes_it_found(swarm):
     writer, *readers = swarm
     key = f"{RUN}.peers"
     writer.publish_peer(record(writer, 1), ttl=60)
-    assert writer.searches["peers"] == 1
+    assert writer.searches["store peers"] == 1
     holders = remembered(writer, key)
     assert len(holders) == DHT_TRAFFIC["num_replicas"]
     for round_ in (2, 3):
         writer.publish_peer(record(writer, round_), ttl=60)
         for reader in readers:  # every node's read finds the new record, as after hivemind's store
             assert reader.live_peers()[writer.identity.peer_id].round == round_
-    assert writer.searches["peers"] == 1 and writer.calls["store peers"] == 3
+    assert writer.searches["store peers"] == 1 and writer.calls["store peers"] == 3
     assert remembered(writer, key) == holders
     writer.expire_peer(ttl=60)  # a tombstone takes the same path and wins over the record everywhere
     assert all(writer.identity.peer_id not in reader.live_peers() for reader in readers)
-    assert writer.searches["peers"] == 1
+    assert writer.searches["store peers"] == 1
 
 
 def test_a_holder_gone_makes_the_store_search_again_and_still_land(swarm):
@@ -60,12 +60,12 @@ def test_a_holder_gone_makes_the_store_search_again_and_still_land(swarm):
     gone = next(p for p in others if str(p.dht.peer_id) in holders)
     gone.shutdown()
     writer.publish_peer(record(writer, 2), ttl=60)  # one holder does not answer: hivemind's store, a new search
-    assert writer.searches["peers"] == 2
+    assert writer.searches["store peers"] == 2
     assert remembered(writer, key) == []  # searched afresh at the next store, not before
     for reader in (p for p in others if p is not gone):
         assert reader.live_peers()[writer.identity.peer_id].round == 2
     writer.publish_peer(record(writer, 3), ttl=60)
-    assert writer.searches["peers"] == 3
+    assert writer.searches["store peers"] == 3
     assert str(gone.dht.peer_id) not in remembered(writer, key)
 
 
@@ -76,7 +76,7 @@ def test_a_dht_with_fewer_nodes_than_replicas_is_searched_at_every_store():
         for round_ in (1, 2):
             writer.publish_peer(record(writer, round_), ttl=60)
             assert reader.live_peers()[writer.identity.peer_id].round == round_
-        assert writer.searches["peers"] == 2 and remembered(writer, f"{RUN}.peers") == []
+        assert writer.searches["store peers"] == 2 and remembered(writer, f"{RUN}.peers") == []
     finally:
         for plane in planes:
             plane.shutdown()
