@@ -1,12 +1,12 @@
 """What one DHT call of lowcomm's control plane puts on the wire, by kind and by replica count.
 
     sudo python experiments/dht_call_bytes.py [--nodes 5] [--replicas 5 3] [--cache on off]
-        [--stores searched direct] [--calls 20] [--out experiments/out/dht_call_bytes]
+        [--mode searched direct] [--calls 20] [--out experiments/out/dht_call_bytes]
 
 A row is one replica count (hivemind's `num_replicas`), caching (hivemind's `cache_locally`;
-lowcomm's are transport.control.DHT_TRAFFIC's) and way of storing: ``searched`` searches the key's
-nearest nodes before every store (as hivemind's store does), ``direct`` stores straight to the nodes
-the last search found (transport.dht_stores, lowcomm's). --nodes DHT nodes (transport.control.ControlPlane, each with its own identity and p2pd) start in one
+lowcomm's are transport.control.DHT_TRAFFIC's) and mode: ``searched`` searches the key's nodes at
+every store and read (as hivemind's store and read do), ``direct`` stores straight to the nodes the
+last search found and reads from one of them (transport.dht_stores and dht_reads, lowcomm's). --nodes DHT nodes (transport.control.ControlPlane, each with its own identity and p2pd) start in one
 network namespace created for the row (and deleted after it), every node stores its peer record and
 its announcement of a round and reads both keys once (as every peer of a run does), then one node makes --calls calls of each kind. The kernel's count of
 the bytes sent on the namespace's loopback, less the idle rate measured first, divided by the calls,
@@ -39,14 +39,14 @@ def _lo_sent() -> int:
     return int(Path("/sys/class/net/lo/statistics/tx_bytes").read_text())
 
 
-def measure(nodes: int, replicas: int, calls: int, cache: bool, stores: str) -> dict:
+def measure(nodes: int, replicas: int, calls: int, cache: bool, mode: str) -> dict:
     """Runs inside the row's namespace: bytes per call of each kind."""
     from lowcomm.transport import control, dht_stores
     from lowcomm.transport.control import ControlPlane, PeerRecord
     from lowcomm.transport.identity import Identity
 
     control.DHT_TRAFFIC.update(num_replicas=replicas, cache_locally=cache)
-    if stores == "searched":  # the DHT's processes are forked from this one: they search before every store
+    if mode == "searched":  # the DHT's processes are forked from this one: they search at every store and read
         dht_stores.NEAREST_MAX_AGE_S = -1.0
     ids = [Identity.generate() for _ in range(nodes)]
     planes = [ControlPlane.start(ids[0], "probe")]
@@ -65,7 +65,7 @@ def measure(nodes: int, replicas: int, calls: int, cache: bool, stores: str) -> 
                    "store peers": lambda: me.publish_peer(PeerRecord(who.peer_id, "10.0.0.1:5000",
                                                                      state="training", round=4), 60),
                    "store announce": lambda: me.announce("0-0", 4, {"endpoint": "10.0.0.1:5000"}, 60)}
-        out = {"nodes": nodes, "replicas": replicas, "cache": cache, "stores": stores, "calls": calls,
+        out = {"nodes": nodes, "replicas": replicas, "cache": cache, "mode": mode, "calls": calls,
                "idle_bytes_per_s": idle}
         for kind in KINDS:
             sent, started = _lo_sent(), time.monotonic()
@@ -78,14 +78,14 @@ def measure(nodes: int, replicas: int, calls: int, cache: bool, stores: str) -> 
             plane.shutdown()
 
 
-def run_row(nodes: int, replicas: int, cache: bool, stores: str, calls: int) -> dict:
+def run_row(nodes: int, replicas: int, cache: bool, mode: str, calls: int) -> dict:
     ns = f"lcdht-{uuid.uuid4().hex[:8]}"
     subprocess.run(["ip", "netns", "add", ns], check=True)
     try:
         subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"], check=True)
         done = subprocess.run(["ip", "netns", "exec", ns, sys.executable, __file__, "--inside", "--nodes",
                                str(nodes), "--replicas", str(replicas), "--cache", "on" if cache else "off",
-                               "--stores", stores, "--calls", str(calls)],
+                               "--mode", mode, "--calls", str(calls)],
                               capture_output=True, text=True, timeout=600, start_new_session=True)
         if done.returncode != 0:
             raise SystemExit(f"row replicas={replicas} failed: {done.stderr.strip().splitlines()[-1:]}")
@@ -97,11 +97,11 @@ def run_row(nodes: int, replicas: int, cache: bool, stores: str, calls: int) -> 
 
 
 def write_table(out: Path, rows: list[dict]) -> None:
-    lines = ["| DHT nodes | replicas | cache_locally | stores | " + " | ".join(f"{k} (KB)" for k in KINDS)
+    lines = ["| DHT nodes | replicas | cache_locally | mode | " + " | ".join(f"{k} (KB)" for k in KINDS)
              + " | idle (B/s) |", "| --- | --- | --- | --- | " + " | ".join("---" for _ in KINDS) + " | --- |"]
     for r in rows:
-        lines.append(f"| {r['nodes']} | {r['replicas']} | {'on' if r['cache'] else 'off'} | {r['stores']} | "
-                     + " | ".join(f"{r[k] / 1e3:.1f}" for k in KINDS)
+        lines.append(f"| {r['nodes']} | {r['replicas']} | {'on' if r['cache'] else 'off'} | {r['mode']} | "
+                     + " | ".join(f"{max(r[k], 0.0) / 1e3:.1f}" for k in KINDS)  # less the idle rate: ~0 can dip below
                      + f" | {r['idle_bytes_per_s']:.0f} |")
     (out / "table.md").write_text("\n".join(lines) + "\n")
 
@@ -112,26 +112,26 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, nargs="+", default=[5, 3])
     parser.add_argument("--cache", choices=["on", "off"], nargs="+", default=["on", "off"],
                         help="hivemind's cache_locally: a node keeps what it read and answers searches with it")
-    parser.add_argument("--stores", choices=["searched", "direct"], nargs="+", default=["searched", "direct"],
-                        help="searched: a search of the key's nodes before every store (hivemind's store); "
+    parser.add_argument("--mode", choices=["searched", "direct"], nargs="+", default=["searched", "direct"],
+                        help="searched: every store and read searches the key's nodes (hivemind's); "
                              "direct: straight to the nodes the last search found (lowcomm's)")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--out", type=Path, default=REPO / "experiments" / "out" / "dht_call_bytes")
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.inside:
-        print(json.dumps(measure(args.nodes, args.replicas[0], args.calls, args.cache[0] == "on", args.stores[0])))
+        print(json.dumps(measure(args.nodes, args.replicas[0], args.calls, args.cache[0] == "on", args.mode[0])))
         return
     if os.geteuid() != 0:
         raise SystemExit("this creates a network namespace: run it as root (sudo python experiments/dht_call_bytes.py)")
     args.out.mkdir(parents=True, exist_ok=True)
-    rows, cells = [], [(r, c == "on", s) for r in args.replicas for c in args.cache for s in args.stores]
-    for i, (replicas, cache, stores) in enumerate(cells):
-        path = args.out / f"n{args.nodes}-r{replicas}-{'cache' if cache else 'nocache'}-{stores}-c{args.calls}.json"
+    rows, cells = [], [(r, c == "on", s) for r in args.replicas for c in args.cache for s in args.mode]
+    for i, (replicas, cache, mode) in enumerate(cells):
+        path = args.out / f"n{args.nodes}-r{replicas}-{'cache' if cache else 'nocache'}-{mode}-c{args.calls}.json"
         if not path.exists():
             print(f"[{i + 1}/{len(cells)}] {args.nodes} nodes, {replicas} replicas, cache_locally "
-                  f"{'on' if cache else 'off'}, stores {stores}", flush=True)
-            path.write_text(json.dumps(run_row(args.nodes, replicas, cache, stores, args.calls)))
+                  f"{'on' if cache else 'off'}, {mode}", flush=True)
+            path.write_text(json.dumps(run_row(args.nodes, replicas, cache, mode, args.calls)))
         rows.append(json.loads(path.read_text()))
         write_table(args.out, rows)
     print((args.out / "table.md").read_text())
