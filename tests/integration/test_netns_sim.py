@@ -24,8 +24,8 @@ H, ROUNDS = 5, 3
 # The control plane's budget per DHT node and second of the lab's life (start-up included): a record's
 # store on each round and at half its life, the reads of the live records, the leader's manifest, the
 # coordinator's anchors, the φ votes, start-up's looks and hivemind's upkeep; a round's announcements are
-# posted, not stored (Decision 34; the count below). This run measured 2.0 KB/s per node (3.4 with a
-# search of the key's nodes at every store and read, Decision 40); the bound, about twice that, catches
+# posted, not stored (Decision 34; the count below). This run measured 2.0 KB/s per node (stores and
+# reads straight to the key's nodes, Decision 40); the bound, about twice that, catches
 # a regression to searched calls, to a tight poll loop (13.7 KB/s with the 50 ms poll) or to hivemind's
 # cache refreshes. The agreement's own reads per round are bounded in
 # tests/unit/test_agreement_wakes.py.
