@@ -10,8 +10,9 @@ to them (``DHTProtocol.call_store``), exactly as hivemind's store does once its 
 It searches again when it remembers no nodes for the key, when they were found more than
 NEAREST_MAX_AGE_S ago (nodes that joined since may be nearer), when a search found fewer than
 ``num_replicas`` (a DHT still filling: nothing is remembered then), and when one of them did not
-answer: that store then goes through hivemind's own store. These functions run in the DHT's
-process (``hivemind.DHT.run_coroutine``); what they remember lives there.
+answer: that store then goes through hivemind's own store. Reads of the key ask one of the same
+nodes (transport.dht_reads). These functions run in the DHT's process
+(``hivemind.DHT.run_coroutine``); what they remember lives there.
 """
 
 from __future__ import annotations
