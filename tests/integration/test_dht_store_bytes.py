@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 # with the RPC's framing it is 4.2-6.3 KB on the wire (experiments/RESULTS.md). A search first (every
 # node that holds the key answers with all of it) made it 19.5-26.8 KB. A read of the 5 records from one
 # holder is the same ~1 KB each plus framing, or nothing where the reader holds the key itself: 0-6.4 KB,
-# against 15.3-20.5 KB merged from every holder.
+# against 15.3-20.6 KB merged from every holder.
 STORE_BYTES_MAX = 9_000
 READ_BYTES_MAX = 9_000
 
