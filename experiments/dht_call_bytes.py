@@ -5,8 +5,8 @@
 
 A row is one replica count (hivemind's `num_replicas`), caching (hivemind's `cache_locally`;
 lowcomm's are transport.control.DHT_TRAFFIC's) and mode: ``searched`` searches the key's nodes at
-every store and read (as hivemind's store and read do), ``direct`` stores straight to the nodes the
-last search found and reads from one of them (transport.dht_stores and dht_reads, lowcomm's). --nodes DHT nodes (transport.control.ControlPlane, each with its own identity and p2pd) start in one
+every store (as hivemind's store does), ``direct`` stores straight to the nodes the last search of
+the key found (transport.dht_stores, lowcomm's); reads are hivemind's in both. --nodes DHT nodes (transport.control.ControlPlane, each with its own identity and p2pd) start in one
 network namespace created for the row (and deleted after it), every node stores its peer record and
 its announcement of a round and reads both keys once (as every peer of a run does), then one node makes --calls calls of each kind. The kernel's count of
 the bytes sent on the namespace's loopback, less the idle rate measured first, divided by the calls,
@@ -46,7 +46,7 @@ def measure(nodes: int, replicas: int, calls: int, cache: bool, mode: str) -> di
     from lowcomm.transport.identity import Identity
 
     control.DHT_TRAFFIC.update(num_replicas=replicas, cache_locally=cache)
-    if mode == "searched":  # the DHT's processes are forked from this one: they search at every store and read
+    if mode == "searched":  # the DHT's processes are forked from this one: they search at every store
         dht_stores.NEAREST_MAX_AGE_S = -1.0
     ids = [Identity.generate() for _ in range(nodes)]
     planes = [ControlPlane.start(ids[0], "probe")]
@@ -113,8 +113,8 @@ def main() -> None:
     parser.add_argument("--cache", choices=["on", "off"], nargs="+", default=["on", "off"],
                         help="hivemind's cache_locally: a node keeps what it read and answers searches with it")
     parser.add_argument("--mode", choices=["searched", "direct"], nargs="+", default=["searched", "direct"],
-                        help="searched: every store and read searches the key's nodes (hivemind's); "
-                             "direct: straight to the nodes the last search found (lowcomm's)")
+                        help="searched: every store searches the key's nodes (hivemind's); "
+                             "direct: stores straight to the nodes the last search found (lowcomm's)")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--out", type=Path, default=REPO / "experiments" / "out" / "dht_call_bytes")
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)

@@ -68,7 +68,7 @@ def build_report(records: list[dict], *, algo: str, peers: int, seed: int, model
         "netns": False,
         "checkpoint_bytes": checkpoint_bytes,  # state served to the coordinator's checkpoints, not in bytes_sent
         "control_calls": _summed(e.get("control_calls") or {} for e in exits.values()),  # DHT calls by kind
-        # the calls among them that searched the DHT (transport.dht_stores, dht_reads), by kind
+        # the stores among them that searched the key's nodes first (transport.dht_stores), by kind
         "control_searches": _summed(e.get("control_searches") or {} for e in exits.values()),
         "wall_s": last_t - first_t,
         "startup_s": first_t - started_at,

@@ -21,7 +21,7 @@ from typing import Any
 import hivemind
 from hivemind.utils import get_dht_time
 
-from lowcomm.transport import dht_reads, dht_stores
+from lowcomm.transport import dht_stores
 from lowcomm.transport.addresses import dht_maddrs
 from lowcomm.transport.identity import Identity, peer_id_of
 from lowcomm.transport.join_token import MAX_TOKEN_CHARS
@@ -250,7 +250,8 @@ class ControlPlane:
 
     def _read(self, key: str) -> dict[str, dict]:
         """peer_id -> value for every well-formed record under `key` whose signer matches its peer_id."""
-        found = self._call("get", key, partial(dht_reads.read, key=key))  # transport.dht_reads
+        self._count("get", key)
+        found = self._wait(lambda: self.dht.get(key, latest=True, return_future=True))
         if found is None or not isinstance(found.value, dict):
             return {}
         out = {}

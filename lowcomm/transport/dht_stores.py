@@ -10,8 +10,9 @@ to them (``DHTProtocol.call_store``), exactly as hivemind's store does once its 
 It searches again when it remembers no nodes for the key, when they were found more than
 NEAREST_MAX_AGE_S ago (nodes that joined since may be nearer), when a search found fewer than
 ``num_replicas`` (a DHT still filling: nothing is remembered then), and when one of them did not
-answer: that store then goes through hivemind's own store. Reads of the key ask one of the same
-nodes (transport.dht_reads). These functions run in the DHT's process
+answer: that store then goes through hivemind's own store. Reads are hivemind's (merged from every
+node that holds the key): a node that missed stores while it was cut off would answer with records
+that have expired since (Decision 40). These functions run in the DHT's process
 (``hivemind.DHT.run_coroutine``); what they remember lives there.
 """
 
@@ -26,6 +27,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 
 NEAREST_MAX_AGE_S = 60.0  # how long the nodes found nearest a key are trusted without a new search
+DIRECT_CALL_S = 2.0  # a remembered node that has not answered a store by then counts as gone
 MAX_KEYS = 256  # keys whose nearest nodes are remembered (the oldest are forgotten first)
 
 _nearest: dict[DHTID, tuple[float, dict]] = {}  # key id -> (found at, {node id: peer id}), in the DHT's process
@@ -82,11 +84,20 @@ async def _store_to(node: DHTNode, key_id: DHTID, nearest: dict, subkey: bytes, 
             if protocol.record_validator is not None and not protocol.record_validator.validate(record):
                 return False
             return protocol.storage.store(key_id, record.value, expiration, subkey=subkey)
-        answer = await protocol.call_store(peer_id, keys=[key_id], values=[record.value],
-                                           expiration_time=[expiration], subkeys=[subkey])
+        answer = await bounded(protocol.call_store(peer_id, keys=[key_id], values=[record.value],
+                                                   expiration_time=[expiration], subkeys=[subkey]))
         return None if answer is None else bool(answer and answer[0])
 
     return list(await asyncio.gather(*(one(n, p) for n, p in nearest.items())))
+
+
+async def bounded(call):
+    """``call``'s answer, or None once DIRECT_CALL_S passed (hivemind's own RPC deadline is longer, and
+    the search that follows a node's silence has its own): a gone node costs one short wait."""
+    try:
+        return await asyncio.wait_for(call, DIRECT_CALL_S)
+    except asyncio.TimeoutError:
+        return None
 
 
 async def remembered(_dht, _node: DHTNode, key: str) -> list[str]:

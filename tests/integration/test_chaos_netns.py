@@ -15,7 +15,7 @@ from lowcomm.runtime.sim import Simulation
 from lowcomm.transport import netns
 from lowcomm.transport.netns import lab_objects, unavailable_reason
 
-H, ROUNDS, DOWN_ROUND = 5, 30, 2
+H, ROUNDS, DOWN_ROUND = 5, 45, 2
 # down longer than the reduce deadline (8 s), early enough that the swarm still trains when it comes back
 SPEC = f"slow:1:2x@r1,linkdown:1:10s@r{DOWN_ROUND}"
 

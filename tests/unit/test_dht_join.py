@@ -63,7 +63,7 @@ class DyingDHT:  # a DHT whose process dies while a call waits on it: the call's
     def is_alive(self) -> bool:
         return not self.dead.is_set()
 
-    def run_coroutine(self, coroutine, return_future=True):  # every read and store of transport.control
+    def get(self, key, latest=True, return_future=True):
         self.dead.set()  # it dies after taking the call
         return self.future
 
@@ -89,9 +89,9 @@ class StoredDHT:  # a DHT node that answers every get with the items given
     def is_alive(self) -> bool:
         return True
 
-    def run_coroutine(self, coroutine, return_future=True):  # a read (transport.dht_reads): its records, no search
+    def get(self, key, latest=True, return_future=True):
         future = concurrent.futures.Future()
-        future.set_result((Answer({subkey: Answer(value) for subkey, value in self.items.items()}), False))
+        future.set_result(Answer({subkey: Answer(value) for subkey, value in self.items.items()}))
         return future
 
 
