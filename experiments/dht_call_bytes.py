@@ -32,14 +32,14 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 KINDS = ["get peers", "get announce", "store peers", "store announce"]
-IDLE_S = 10.0
+IDLE_S = 10.0  # the idle rate's window, by default (--idle-s)
 
 
 def _lo_sent() -> int:
     return int(Path("/sys/class/net/lo/statistics/tx_bytes").read_text())
 
 
-def measure(nodes: int, replicas: int, calls: int, cache: bool, mode: str) -> dict:
+def measure(nodes: int, replicas: int, calls: int, cache: bool, mode: str, idle_s: float = IDLE_S) -> dict:
     """Runs inside the row's namespace: bytes per call of each kind."""
     from lowcomm.transport import control, dht_stores
     from lowcomm.transport.control import ControlPlane, PeerRecord
@@ -58,8 +58,8 @@ def measure(nodes: int, replicas: int, calls: int, cache: bool, mode: str) -> di
         for plane in planes:  # every node reads every key, as in a run (each keeps what it read, if it caches)
             plane.live_peers(), plane.announcers("0-0", 3)
         sent = _lo_sent()
-        time.sleep(IDLE_S)
-        idle = (_lo_sent() - sent) / IDLE_S
+        time.sleep(idle_s)  # a measurement window, not a wait for anything
+        idle = (_lo_sent() - sent) / idle_s
         me, who = planes[1], ids[1]
         actions = {"get peers": me.live_peers, "get announce": lambda: me.announcers("0-0", 3),
                    "store peers": lambda: me.publish_peer(PeerRecord(who.peer_id, "10.0.0.1:5000",
@@ -78,14 +78,14 @@ def measure(nodes: int, replicas: int, calls: int, cache: bool, mode: str) -> di
             plane.shutdown()
 
 
-def run_row(nodes: int, replicas: int, cache: bool, mode: str, calls: int) -> dict:
+def run_row(nodes: int, replicas: int, cache: bool, mode: str, calls: int, idle_s: float = IDLE_S) -> dict:
     ns = f"lcdht-{uuid.uuid4().hex[:8]}"
     subprocess.run(["ip", "netns", "add", ns], check=True)
     try:
         subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"], check=True)
         done = subprocess.run(["ip", "netns", "exec", ns, sys.executable, __file__, "--inside", "--nodes",
                                str(nodes), "--replicas", str(replicas), "--cache", "on" if cache else "off",
-                               "--mode", mode, "--calls", str(calls)],
+                               "--mode", mode, "--calls", str(calls), "--idle-s", str(idle_s)],
                               capture_output=True, text=True, timeout=600, start_new_session=True)
         if done.returncode != 0:
             raise SystemExit(f"row replicas={replicas} failed: {done.stderr.strip().splitlines()[-1:]}")
@@ -116,11 +116,12 @@ def main() -> None:
                         help="searched: every store searches the key's nodes (hivemind's); "
                              "direct: stores straight to the nodes the last search found (lowcomm's)")
     parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--idle-s", type=float, default=IDLE_S, help="how long the idle rate is measured first")
     parser.add_argument("--out", type=Path, default=REPO / "experiments" / "out" / "dht_call_bytes")
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.inside:
-        print(json.dumps(measure(args.nodes, args.replicas[0], args.calls, args.cache[0] == "on", args.mode[0])))
+        print(json.dumps(measure(args.nodes, args.replicas[0], args.calls, args.cache[0] == "on", args.mode[0], args.idle_s)))
         return
     if os.geteuid() != 0:
         raise SystemExit("this creates a network namespace: run it as root (sudo python experiments/dht_call_bytes.py)")
@@ -131,7 +132,7 @@ def main() -> None:
         if not path.exists():
             print(f"[{i + 1}/{len(cells)}] {args.nodes} nodes, {replicas} replicas, cache_locally "
                   f"{'on' if cache else 'off'}, {mode}", flush=True)
-            path.write_text(json.dumps(run_row(args.nodes, replicas, cache, mode, args.calls)))
+            path.write_text(json.dumps(run_row(args.nodes, replicas, cache, mode, args.calls, args.idle_s)))
         rows.append(json.loads(path.read_text()))
         write_table(args.out, rows)
     print((args.out / "table.md").read_text())

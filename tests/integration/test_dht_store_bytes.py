@@ -21,7 +21,7 @@ STORE_BYTES_MAX = 9_000
 @pytest.mark.skipif(unavailable_reason() is not None, reason=f"needs root and iproute2: {unavailable_reason()}")
 def test_a_store_straight_to_the_keys_nodes_sends_the_record_not_the_key(tmp_path):
     run = subprocess.run([sys.executable, str(REPO / "experiments" / "dht_call_bytes.py"), "--replicas", "3",
-                          "--cache", "off", "--mode", "searched", "direct", "--calls", "10", "--out", str(tmp_path)],
+                          "--cache", "off", "--mode", "searched", "direct", "--calls", "10", "--idle-s", "3", "--out", str(tmp_path)],
                          cwd=REPO, capture_output=True, text=True, timeout=400)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = {row["mode"]: row for row in map(json.loads, (p.read_text() for p in tmp_path.glob("*.json")))}
