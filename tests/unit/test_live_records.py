@@ -5,7 +5,6 @@ nor in the rounds after while it stays silent, and its next announcement makes i
 
 from __future__ import annotations
 
-import threading
 from types import SimpleNamespace
 
 import pytest
@@ -18,10 +17,10 @@ from lowcomm.transport.control import PeerRecord
 from lowcomm.transport.round_posts import RoundPosts
 from lowcomm.transport.signing import Signer
 from lowcomm.transport.wakeups import Wakes, Wakeups
+from threads import in_threads
 from unit.test_round_posts import Delivery, PostingControl
 
 NEVER_S = 3600.0  # no poll and no deadline comes within the test
-WAIT_S = 60.0  # a bound only a hung agreement reaches
 RECORD_LIFE_S, DHT_POLL_S = 10.0, 2.0
 
 
@@ -75,15 +74,8 @@ def test_with_posts_the_records_are_read_once_per_their_life_and_fresh_where_ask
 
 
 def agree_all(agreements, round_: int) -> list:
-    results = [None] * len(agreements)
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, agreements[i].agree("0-0", round_, 1, "fp32")))
-               for i in range(len(agreements))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(WAIT_S)
-    assert not any(t.is_alive() for t in threads), f"round {round_}: an agreement waited for a peer that withdrew"
-    return results
+    """Each agreement of ``round_`` in its own thread; a wait for a peer that never announces never ends."""
+    return in_threads(lambda r: agreements[r].agree("0-0", round_, 1, "fp32"), len(agreements))
 
 
 def test_a_withdrawn_peer_is_not_waited_for_while_silent_and_steady_rounds_read_no_records(clock, signers):
