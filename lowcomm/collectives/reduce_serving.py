@@ -137,9 +137,11 @@ class ReduceServing:
         failed: list[Exception] = []
         taker = threading.Thread(target=self._take_pieces, args=(first, requests, slot, failed), daemon=True,
                                  name="reduce-take")
-        taker.start()
+        # counted before the taker runs: its last piece may complete the shard, and the owner take it and drop
+        # the reduced pieces (StreamedSlot.replied), before this call's reply has read them
         slot.replying()
         try:
+            taker.start()
             for reply in reply_pieces(lambda c: slot.piece(c, context.is_active), len(slot.pieces),
                                       slot.contributors, slot.round, slot.shard, self.codec):
                 if failed:

@@ -8,10 +8,12 @@ or send hostile pieces. Assertions are on values, contributor lists and events, 
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from lowcomm.collectives import reduce_serving
 from lowcomm.collectives.base import CollectiveError
 from lowcomm.collectives.combiners import DenseMean
 from lowcomm.collectives.local import LocalGroup
@@ -101,6 +103,31 @@ def test_an_owner_replies_a_piece_before_the_rest_of_a_part_has_arrived(pair):
     assert torch.equal(out, result.aggregate)  # both apply the same bytes
     torch.testing.assert_close(out, weighted_mean([mine, theirs], [1.0, 3.0]), rtol=1e-6, atol=1e-6)
     assert isinstance(pieces, Pieces) and len(pieces) == len(piece_bounds(NUMEL, reduce.elems))
+
+
+def test_a_reply_keeps_the_pieces_its_own_part_completed_though_the_owner_took_its_shard(pair, monkeypatch):
+    """The member's last piece completes the shard, and the owner takes it, before the member's call has
+    started its reply: the reduced pieces stay for that reply (the owner dropped them, the member lost
+    the shard and applied no update to it, and the two held different φ from then on)."""
+    owner, member = pair[:2]
+    reduce = owner.reduce(owned_by(owner, [owner, member], 0))
+    mine, theirs = values(0), values(1)
+    handle = reduce.start(KEY, 0, mine, 1.0)
+    taken = []
+
+    class TakerFirst(threading.Thread):  # the call's pieces all land and the owner takes its shard, then it replies
+        def start(self):
+            self.run()
+            taken.append(handle.result(WAIT_S))
+
+    monkeypatch.setattr(reduce_serving, "threading", SimpleNamespace(Thread=TakerFirst))
+    replies = by_hand(member, owner, 0, theirs, 3.0, reduce.elems)
+    first = next(replies)
+    assert taken and first.status == wire_pb2.ReduceReply.OK, first.error
+    out = torch.empty(NUMEL)
+    _, contributors = read_pieces(_chain(first, replies), "fp32", NUMEL, reduce.elems, Sink(out))
+    assert contributors == taken[0].contributors == sorted([owner.id, member.id])
+    assert torch.equal(out, taken[0].aggregate)  # both apply the same bytes
 
 
 def _chain(first, rest):
