@@ -54,14 +54,12 @@ class ManifestAgreement:
 
     def __init__(self, control: ControlPlane, sync: SyncConfig, endpoint: str, client_mode: bool = False,
                  on_event=None, due_in_group: Callable[[str, PeerRecord], bool] | None = None,
-                 admits: Callable[[str], bool] | None = None, quorum: bool = False, wakes: Wakes | None = None,
-                 records_s: float = 0.0):
+                 admits: Callable[[str], bool] | None = None, quorum: bool = False, wakes: Wakes | None = None):
         """`due_in_group(group, record)`: whether a live peer is expected in the group's rounds (pipelines:
         only the replicas of the group's stage); by default every training or joining peer is.
         `admits(peer_id)`: whether the run lets that peer be a member (default: everyone).
         `quorum`: write and follow only manifests a majority of the previous members' live ones reached.
-        `wakes`: what waits end on (default: a poll every POLL_S, nobody woken). `records_s`: how old the
-        live records may get while posts arrive (collectives.round_reads; 0: a DHT poll)."""
+        `wakes`: what waits end on (default: a poll every POLL_S, nobody woken)."""
         self.wakes = wakes or Wakes.polling(POLL_S)
         self.control = control
         self.quorum = quorum
@@ -78,7 +76,7 @@ class ManifestAgreement:
         # state and round then): not waited for while it stays silent (_silent)
         self._endpoints: dict[str, dict[str, str]] = {}  # group -> the newest followed manifest's endpoints
         self.refused_writers = 0
-        self.reads = RoundReads(control, self.wakes, records_s)  # the round's records: posted, and the DHT's
+        self.reads = RoundReads(control, self.wakes)  # the round's records: posted, and the DHT's
 
     # ---- which writers count --------------------------------------------------------------------
 
@@ -110,7 +108,8 @@ class ManifestAgreement:
         order = sorted(set(manifests) & trusted) + sorted((set(manifests) & fallback) - trusted)
         return first_valid({w: manifests[w] for w in order}, group, round_, order)
 
-    def _refuse(self, group: str, round_: int, peer: str, reason: str) -> None:  # a reject event, once each
+    def _refuse(self, group: str, round_: int, peer: str, reason: str) -> None:
+        """A `reject` event, once per peer, round and reason."""
         if (group, round_, peer, reason) not in self._refused:
             self._refused.add((group, round_, peer, reason))
             self.refused_writers += 1
@@ -132,7 +131,8 @@ class ManifestAgreement:
         return out
 
     @property
-    def _presence(self) -> dict:  # this peer's announcement once it has reached the round
+    def _presence(self) -> dict:
+        """This peer's announcement once it has reached the round."""
         return {"endpoint": self.endpoint, "client_mode": self.client_mode}
 
     @property
@@ -181,11 +181,11 @@ class ManifestAgreement:
         """Posts it to the live peers due in the group; stores it only if one of them takes no posts or a
         post did not arrive (Decision 34; a withdrawal is always stored).
 
-        An announcement ahead goes to the peers of the last read of the live records, however old; the
-        round's own to those of a read at most a record's life old (Decision 41). A peer that joined
-        since misses it, and waits for it up to `announce_s` once; should that peer write the round's
-        manifest before this one reaches the round, it leaves this one out, as a peer that announced
-        late (Decision 8)."""
+        An announcement ahead goes to the peers of the last read of the live records, however old: it
+        follows a round whose agreement read them. A peer that joined since misses it (the round's own
+        announcement, after a fresh read, reaches it); should that peer write the round's manifest
+        before this one reaches the round, it leaves this one out, as a peer that announced late
+        (Decision 8)."""
         records = self.reads.live(cached=bool(info.get("ahead")))
         due = [rec for p, rec in records.items() if p != self.me and self.admits(p)
                and rec.state in ("training", "joining") and self.due_in_group(group, rec)]
@@ -244,7 +244,6 @@ class ManifestAgreement:
 
     def _give_up(self, group: str, round_: int) -> None:
         """Takes back the announcement of a round it fails: a later manifest must not name it as an owner."""
-        self.reads.forget()  # it will resync or retry: from fresh records
         try:
             self.withdraw(group, round_)
         except Exception as e:  # the DHT may be out of reach (a cut-off peer): the record then expires
@@ -267,9 +266,9 @@ class ManifestAgreement:
         were, then none). Without ``quorum``, or without a previous manifest, anything goes; when
         none of the previous members is training any more, the run goes on."""
         previous = self.trusted(group, round_)
-        if not self.quorum or previous is None or previous <= set(members):
-            return None  # every previous member reached it: a majority of any live ones, and not this one alone
-        records = self.reads.live(fresh=True)
+        if not self.quorum or previous is None:
+            return None
+        records = self.reads.live()
         if self._solo_after_others(previous, members, records):
             return "this peer alone reached the round, and the previous round had other members"
         live = {p for p, rec in records.items() if rec.state == "training"} | {self.me}
@@ -295,8 +294,8 @@ class ManifestAgreement:
         A live record that did not announce the last round it was due in is not waited for again while
         its peer stays silent: its record unchanged (state and round) and no announcement of a round
         since posted here. A dead peer's record until it expires, a forged one (a sybil's) that is only
-        refreshed and a cut-off peer's from before the cut cost one wait, not one per round, and a peer
-        that posted its withdrawal none; its next announcement, or its record's next round, makes it due.
+        refreshed and a cut-off peer's from before the cut cost one wait, not one per round; a slow
+        peer's late announcement, or its record's next round, makes it due again.
         """
         deadline = time.monotonic() + self.sync.announce_s
         missed = self._missed.get(group, {})
@@ -304,10 +303,9 @@ class ManifestAgreement:
             late = time.monotonic() >= deadline  # the round may go on without a peer: the DHT's records too
             announcers = {p: info for p, info in self.reads.announcers(group, round_, fresh=late).items()
                           if isinstance(info.get("endpoint"), str)}  # well-formed (withdrawals are dropped)
-            records = self.reads.live(fresh=late)  # up to a record's life old until then: posts say who reached it
-            withdrawn = {p for p, info in self.wakes.posted(ANNOUNCE, group, round_).items() if info.get("gone")}
+            records = self.reads.live()
             due = {p for p, rec in records.items()
-                   if rec.state in ("training", "joining") and rec.round <= round_ and p not in suspects | withdrawn
+                   if rec.state in ("training", "joining") and rec.round <= round_ and p not in suspects
                    and self.due_in_group(group, rec) and self.admits(p)}
             silent = {p for p in due & missed.keys() if self._silent(group, round_, missed[p], records[p])}
             due -= silent
@@ -317,8 +315,8 @@ class ManifestAgreement:
                 missing = due - set(announcers) - {self.me}
                 if missing:  # a live record that never announced (dead, or late): the round goes on without it
                     self.on_event("timeout", round=round_, stage="announce", missing=sorted(missing))
-                self._missed[group] = {**{p: missed[p] for p in silent - set(announcers)}, **{
-                    p: (round_, records[p].state, records[p].round) for p in missing | (withdrawn & records.keys())}}
+                self._missed[group] = {**{p: missed[p] for p in silent - set(announcers)},
+                                       **{p: (round_, records[p].state, records[p].round) for p in missing}}
                 announcers[self.me] = self._presence
                 return announcers, due <= present
             self.wakes.wait(group, round_, deadline - time.monotonic())
@@ -329,9 +327,8 @@ class ManifestAgreement:
         since, state, at = missed
         if (record.state, record.round) != (state, at):
             return False
-        posted = (self.wakes.posted(ANNOUNCE, group, r).get(record.peer_id)
-                  for r in range(max(since, round_ - SILENT_LOOKBACK), round_ + 1))
-        return not any(info is not None and not info.get("gone") for info in posted)  # a withdrawal says nothing
+        return not any(record.peer_id in self.wakes.posted(ANNOUNCE, group, r)
+                       for r in range(max(since, round_ - SILENT_LOOKBACK), round_ + 1))
 
     def _settled(self, group: str, round_: int) -> bool:
         """Whether a manifest that counts exists for the round (a stranger's does not end the wait)."""
@@ -353,7 +350,7 @@ class ManifestAgreement:
         manifest = Manifest(self.control.run, group, round_, epoch_rounds, self.me, members,
                             {p: announcers[p]["endpoint"] for p in members}, owners, codec,
                             bounded_fan_in(self.control.run, group, round_, members, self.sync.max_contributors))
-        coordinator = [r.endpoint for r in self.reads.live(True).values() if r.state in ("coordinator", "holder")]
+        coordinator = [r.endpoint for r in self.reads.live().values() if r.state in ("coordinator", "holder")]
         if self.me not in (self.trusted(group, round_) or ()):  # a reader past the round may need to see why it counts
             self.control.announce(group, round_, announcers[self.me], self._ttl)
         self.wakes.publish([manifest.endpoints[p] for p in members if p != self.me] + coordinator, MANIFEST, group,
@@ -389,12 +386,11 @@ class ManifestAgreement:
         if manifest is None:
             raise CollectiveError(f"round {round_}: every manifest that counts was malformed")
         previous = self.trusted(group, round_)
-        if (self.quorum and previous is not None and set(manifest.members) <= {self.me}
-                and self._solo_after_others(previous, manifest.members, self.reads.live(fresh=True))):
+        if (self.quorum and previous is not None
+                and self._solo_after_others(previous, manifest.members, self.reads.live())):
             raise CollectiveError(f"round {round_}: a manifest naming only this peer after a round with others")
         self.learn(group, round_, manifest.members, manifest.endpoints)
         if self.me not in manifest.members:
-            self.reads.forget()  # behind the others: the records it saw them in are older than their rounds
             raise NotInRound(f"round {round_}: this peer is not in the manifest (announced too late)", manifest)
         return manifest
 

@@ -4,13 +4,8 @@
 The posts are read at every look; the DHT when a look asks for it (``fresh``: before a round goes
 on without a peer, before this peer writes a manifest, a second look at racing manifests, a reader
 outside the round) and otherwise
-once per `Wakes.dht_poll_s`. Without posts every look reads the DHT.
-
-The live peer records are read again once older than ``records_s`` with posts (the run's
-`sync.record_ttl_s`: a writer stores its record on a new round and at half its life, and the round's
-posts say who reached it), and once older than a DHT poll where a look needs them fresh (before a
-round goes on without a peer, a quorum short of members, a manifest naming this peer alone) or
-without posts; ``forget`` makes the next look read them (a peer that fell behind: Decision 41).
+once per `Wakes.dht_poll_s`, which also bounds how old the cached live peer records get. Without
+posts every look reads the DHT.
 """
 
 from __future__ import annotations
@@ -23,8 +18,8 @@ from lowcomm.transport.wakeups import Wakes
 
 
 class RoundReads:
-    def __init__(self, control: ControlPlane, wakes: Wakes, records_s: float = 0.0):
-        self.control, self.wakes, self.records_s = control, wakes, records_s
+    def __init__(self, control: ControlPlane, wakes: Wakes):
+        self.control, self.wakes = control, wakes
         self._records: tuple[float, dict[str, PeerRecord]] = (float("-inf"), {})  # (read at, live records)
 
     def announcers(self, group: str, round_: int, fresh: bool = False) -> dict[str, dict]:
@@ -67,16 +62,10 @@ class RoundReads:
         return {p: v["hash"] for p, v in self.wakes.posted(VOTE, group, round_).items()
                 if isinstance(v.get("hash"), str)}
 
-    def live(self, cached: bool = False, fresh: bool = False) -> dict[str, PeerRecord]:
-        """The live peer records, read again once older than ``records_s`` (with posts; ``fresh``, or
-        without posts: a DHT poll, so a round's looks share one read); ``cached``: the last ones read,
-        whatever their age (read now only if none were)."""
-        age, poll = time.monotonic() - self._records[0], max(self.wakes.poll_s, self.wakes.dht_poll_s)
-        limit = poll if fresh or not self.wakes.posting else max(poll, self.records_s)
-        if age >= limit and not (cached and age < float("inf")):
+    def live(self, cached: bool = False) -> dict[str, PeerRecord]:
+        """The live peer records, read again once older than a poll (a round's looks share one read);
+        ``cached``: the last ones read, whatever their age (read now only if none were)."""
+        age = time.monotonic() - self._records[0]
+        if age >= max(self.wakes.poll_s, self.wakes.dht_poll_s) and not (cached and age < float("inf")):
             self._records = (time.monotonic(), self.control.live_peers())
         return self._records[1]
-
-    def forget(self) -> None:
-        """The next look at the live records reads them (this peer fell behind the rounds it saw them in)."""
-        self._records = (float("-inf"), {})

@@ -98,11 +98,9 @@ class TrainingPeer:
         self.membership = Membership(ctx, record, fill=self._fill_record, quiet=True)
         self.key = GroupKey(o.run_name)
         self.algorithm = algorithm(config.run.algo)
-        # quorum: a peer cut off from the swarm fails its rounds instead of training alone (Decision 27); the live
-        # records read at most once per their life while the round's posts arrive (Decision 41)
+        # quorum: a peer cut off from the swarm fails its rounds instead of training alone (Decision 27)
         agreement = ManifestAgreement(ctx.control, config.sync, ctx.endpoint, ctx.client_mode, on_event=ctx.log.event,
-                                      admits=ctx.admission.admits, quorum=True, wakes=ctx.wakes(),
-                                      records_s=config.sync.record_ttl_s)
+                                      admits=ctx.admission.admits, quorum=True, wakes=ctx.wakes())
         self.collective = self._collective(agreement)
         if o.byzantine:  # lies on the wire only: its own state stays honest (runtime.byzantine)
             self.collective = ByzantineCollective(self.collective, Attack(Kind.parse(o.byzantine), ctx.me),

@@ -181,10 +181,8 @@ class StateSync:
             ctx.log.event("reject", sender=source.peer_id, round=int(state.round), reason=str(e)[:200])
             return False
         replica.load_state_tensors(tensors)
-        if self.agreement is not None:
-            self.agreement.reads.forget()  # the rounds moved on while it was behind: the next look reads the records
-            if anchor is not None:
-                self.agreement.learn(replica.key.group, anchor.round - 1, anchor.members)
+        if anchor is not None and self.agreement is not None:
+            self.agreement.learn(replica.key.group, anchor.round - 1, anchor.members)
         self.progress.last_members = frozenset()
         self.progress.last_contributors = frozenset()
         self.progress.tokens_global = int(state.tokens)
