@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from lowcomm.algorithms.ddp import DdpConfig
+from lowcomm.algorithms.demo import OVERLAP_UPDATES as DEMO_OVERLAP_UPDATES
 from lowcomm.algorithms.demo import DemoConfig
 from lowcomm.algorithms.diloco import CODECS as DILOCO_CODECS
 from lowcomm.algorithms.diloco import DilocoConfig
@@ -241,6 +242,7 @@ class RunConfig:
                 ("diloco.aggregate", self.diloco.aggregate, AGGREGATES),
                 ("diloco.overlap_update", self.diloco.overlap_update, OVERLAP_UPDATES),
                 ("diloco.overlap_apply", self.diloco.overlap_apply, OVERLAP_APPLY),
+                ("demo.overlap_update", self.demo.overlap_update, DEMO_OVERLAP_UPDATES),
                 ("sparseloco.overlap_apply", self.sparseloco.overlap_apply, OVERLAP_APPLY),
                 ("streaming.codec", self.streaming.codec, STREAMING_CODECS),
                 ("sparseloco.values", self.sparseloco.values, VALUE_CODECS),

@@ -27,6 +27,11 @@ from lowcomm.algorithms.payloads import Contribution, decode_contributions
 from lowcomm.compress import SparseCodec, get_codec, scatter_mean
 
 
+# while step t's U travels, the model holds the shared parameters ("late", Psyche's) or runs ahead of
+# them by the replica's own update −η·sign(transmitted_t) ("eager"), taken back when U_t lands
+OVERLAP_UPDATES = ("eager", "late")
+
+
 @dataclass
 class DemoConfig:
     lr: float = 1e-3  # η; ALGORITHMS.md fixes none: lowcomm's default for the reference model
@@ -36,6 +41,7 @@ class DemoConfig:
     weight_decay: float = 0.0  # λ
     sign: bool = False  # 1-bit values on the wire (Psyche production)
     overlap: bool = False  # each step's update lands one step late (demo_replica: Psyche production)
+    overlap_update: str = "eager"  # one of OVERLAP_UPDATES: what the model holds while a step's U travels
     zero_band: float = 0.0  # |U| ≤ zero_band·max|mean coefficient| counts as 0 (see aggregate_update)
 
     def codec(self) -> SparseCodec:
@@ -54,13 +60,16 @@ class DemoState:
 
 
 @torch.no_grad()
-def compress_residual(delta: torch.Tensor, grad: torch.Tensor, config: DemoConfig, codec: SparseCodec) -> bytes:
+def compress_residual(delta: torch.Tensor, grad: torch.Tensor, config: DemoConfig, codec: SparseCodec,
+                      transmitted_out: list | None = None) -> bytes:
     """δ ← βδ + ηg, returns the payload of δ's top-k DCT coefficients and removes them from δ (in place)."""
     if config.beta != 1:
         delta.mul_(config.beta)
     delta.add_(grad.to(delta.dtype), alpha=config.lr)
     payload, transmitted = codec.encode_with_transmitted(delta)
     delta.sub_(transmitted.to(delta.device))
+    if transmitted_out is not None:
+        transmitted_out.append(transmitted)
     return payload
 
 
@@ -106,11 +115,12 @@ def apply_payloads(param: torch.Tensor, payloads: Sequence[bytes], config: DemoC
 
 
 def compress_all(state: DemoState, grads: Sequence[torch.Tensor], config: DemoConfig,
-                 codec: SparseCodec) -> list[bytes]:
-    """The sender's half over a parameter list: one payload per parameter."""
+                 codec: SparseCodec, transmitted: list | None = None) -> list[bytes]:
+    """The sender's half over a parameter list: one payload per parameter; ``transmitted``, where
+    given, receives what each payload removed from its residual."""
     if len(grads) != len(state.deltas):
         raise ValueError(f"{len(grads)} gradients for {len(state.deltas)} residuals")
-    return [compress_residual(delta, grad, config, codec) for delta, grad in zip(state.deltas, grads)]
+    return [compress_residual(delta, grad, config, codec, transmitted) for delta, grad in zip(state.deltas, grads)]
 
 
 def apply_all(params: Sequence[torch.Tensor], gathered: Sequence[Sequence[bytes]], config: DemoConfig,

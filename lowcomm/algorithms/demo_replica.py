@@ -13,16 +13,22 @@ With ``overlap`` (`demo.overlap`, Psyche's production DeMo) a step's update land
 step t sends its payload, then applies step t − 1's U, which had step t's forward and backward to
 travel, so p_{t+1} = p_t·(1 − ηλ) − η·sign(U_{t−1}). Every U is applied once, by every replica, in
 the same order, so the replicas stay identical; only the point each gradient is taken at moves one
-update back. The last step of each membership epoch (`ddp.epoch_steps`) and of the run waits for
-its own U, so at an epoch's end, where φ is voted on and joiners come in, nothing is in flight. A
-round that excludes a member ends the epoch one round later (the collective's ``lag``): the next
-round may have started on the old manifest on some peers and not others, so all run it there.
+update back. That costs loss (`late`); the default, `eager` (`demo.overlap_update`), keeps the shared
+parameters p apart and lets the model run ahead of them by the replica's own update while U_t travels,
+θ = p − η·sign(T_t), T_t what step t's payload took out of δ (the own share of U_t). When U_t lands,
+p takes it and θ is p again, so every replica's p is the same and a gradient misses only the others'
+part of one update. φ, its hash and the state are p. The last step of each membership epoch
+(`ddp.epoch_steps`) and of the run waits for its own U, so at an epoch's end, where φ is voted on
+and joiners come in, nothing is in flight and θ = p. A round that excludes a member ends the epoch
+one round later (the collective's ``lag``): the next round may have started on the old manifest on
+some peers and not others, so all run it there.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from contextlib import contextmanager
 from collections.abc import Callable, Sequence
 
 import torch
@@ -30,7 +36,7 @@ from torch import nn
 
 from lowcomm.algorithms import demo
 from lowcomm.algorithms.base import PerStepReplica, SyncHooks
-from lowcomm.algorithms.demo import DemoConfig, DemoState, apply_update, compress_all
+from lowcomm.algorithms.demo import OVERLAP_UPDATES, DemoConfig, DemoState, apply_update, compress_all
 from lowcomm.algorithms.state import tensors_hash
 from lowcomm.collectives.base import Collective, GroupKey, RoundResult
 from lowcomm.collectives.combiners import SparseBundle
@@ -52,14 +58,18 @@ class Demo(PerStepReplica):
 
     def __init__(self, model: nn.Module, config: DemoConfig, collective: Collective, key: GroupKey,
                  lr_at: Callable[[int], float] | None = None, tokens_per_step: int = 1,
-                 hooks: SyncHooks | None = None, overlap: bool = False, epoch_steps: int = 0):
+                 hooks: SyncHooks | None = None, overlap: str = "", epoch_steps: int = 0):
         super().__init__(model, collective, key, tokens_per_step, hooks)
         self.lr_at = lr_at  # step -> η (the run's warm-up schedule); None: config.lr throughout
         self.config = config
         self.codec = config.codec()
         self.state = DemoState.zeros_like([p.detach().cpu() for p in model.parameters()])
+        if overlap not in ("", *OVERLAP_UPDATES):
+            raise ValueError(f"overlap {overlap!r}: one of {OVERLAP_UPDATES} or '' (off)")
         self.overlap, self.epoch_steps = overlap, epoch_steps
         self._pending = None  # overlap: (step, handle, config, t0, bytes before) of the step in flight
+        # eager: the shared parameters, apart from the model's, which run ahead of them by the own update
+        self.shared = [p.detach().clone() for p in model.parameters()] if overlap == "eager" else None
 
     def sync(self, round_: int, weight: float, timeout: float | None = None) -> RoundResult:
         """One DeMo step (round = step) on the gradients in the model: send, gather, apply the sign update."""
@@ -78,11 +88,16 @@ class Demo(PerStepReplica):
             return False
         t0, bytes_before = time.time(), self.hooks.meter()
         config = self._config_at(step)
-        handle = self.collective.start(self.key, step, self._payloads(config), self.tokens_per_step)
+        own = [] if self.shared is not None else None
+        handle = self.collective.start(self.key, step, self._payloads(config, own), self.tokens_per_step)
         self._land()
         self._pending = (step, handle, config, t0, bytes_before)
         if (self.epoch_steps > 0 and (step + 1) % self.epoch_steps == 0) or step + 1 >= self.hooks.total_steps:
             self._land()
+        elif own is not None:  # the model runs ahead by this step's own update until its U lands
+            with torch.no_grad():
+                for p, shared, mine in zip(self.model.parameters(), self.shared, own):
+                    p.copy_(shared).add_(mine.to(p.device, p.dtype).sign(), alpha=-config.lr)
         return True
 
     def _land(self) -> None:
@@ -93,7 +108,13 @@ class Demo(PerStepReplica):
         self._pending = None
         waited = time.time()
         result = self._await(step, lambda: handle.result(self.hooks.timeout_s))
-        self._apply(result, config)
+        if self.shared is None:
+            self._apply(result, config)
+        else:
+            self._apply(result, config, self.shared)
+            with torch.no_grad():
+                for p, shared in zip(self.model.parameters(), self.shared):
+                    p.copy_(shared)
         # sync_s: what the step waited for, not the next step's compute that the round overlapped
         self._landed(step, result, self.tokens_per_step, t0, self.hooks.meter() - bytes_before,
                      sync_s=time.time() - waited)
@@ -115,30 +136,51 @@ class Demo(PerStepReplica):
     def _config_at(self, step: int) -> DemoConfig:
         return self.config if self.lr_at is None else dataclasses.replace(self.config, lr=self.lr_at(step))
 
-    def _payloads(self, config: DemoConfig) -> list[bytes]:
+    def _payloads(self, config: DemoConfig, transmitted: list | None = None) -> list[bytes]:
         """The sender's half on the gradients in the model: δ updated, its top-k payload per parameter."""
         grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().to("cpu", torch.float32)
                  for p in self.model.parameters()]
-        return compress_all(self.state, grads, config, self.codec)
+        return compress_all(self.state, grads, config, self.codec, transmitted)
 
-    def _apply(self, result: RoundResult, config: DemoConfig) -> None:
+    def _apply(self, result: RoundResult, config: DemoConfig, params=None) -> None:
         offset = 0
         with torch.no_grad():
-            for p in self.model.parameters():
+            for p in (self.model.parameters() if params is None else params):
                 apply_update(p, result.aggregate[offset:offset + p.numel()].reshape(p.shape), config)
                 offset += p.numel()
 
+    def _params(self):
+        return list(self.model.parameters()) if self.shared is None else self.shared
+
+    @contextmanager
+    def global_model(self):
+        if self.shared is None or self._pending is None:
+            yield self.model
+            return
+        ahead = [p.detach().clone() for p in self.model.parameters()]
+        with torch.no_grad():
+            for p, shared in zip(self.model.parameters(), self.shared):
+                p.copy_(shared)
+        try:
+            yield self.model
+        finally:
+            with torch.no_grad():
+                for p, mine in zip(self.model.parameters(), ahead):
+                    p.copy_(mine)
+
     def phi_hash(self) -> str:
-        return tensors_hash(self.model.parameters())
+        return tensors_hash(self._params())
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {f"param.{name}": p.detach().to("cpu", torch.float32)
-                for name, p in zip(self.names, self.model.parameters())}
+                for name, p in zip(self.names, self._params())}
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
             for name, p in zip(self.names, self.model.parameters()):
                 p.copy_(tensors[f"param.{name}"].to(p.device, p.dtype))
+            if self.shared is not None:
+                self.shared = [p.detach().clone() for p in self.model.parameters()]
         self.state = DemoState.zeros_like([p.detach().cpu() for p in self.model.parameters()])
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:

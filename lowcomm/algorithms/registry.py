@@ -80,7 +80,7 @@ def _demo(spec: ReplicaSpec) -> Demo:
     # the run's warm-up schedule, scaled to DeMo's own lr
     lr_at = None if spec.lr_at is None else (lambda step: spec.lr_at(step) * config.demo.lr / config.inner.lr)
     return Demo(spec.model, config.demo, spec.collective, spec.key, lr_at, **_common(spec),
-                overlap=config.demo.overlap, epoch_steps=config.ddp.epoch_steps)
+                overlap=config.demo.overlap_update if config.demo.overlap else "", epoch_steps=config.ddp.epoch_steps)
 
 
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
