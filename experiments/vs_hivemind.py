@@ -2,7 +2,7 @@
 hivemind.Optimizer(use_local_updates=True), training the reference model on the same data.
 
     sudo python experiments/vs_hivemind.py [--rates 100 20] [--ddp-steps 300] [--peers 4]
-        [--systems ddp diloco hivemind] [--out experiments/out/vs_hivemind]
+        [--systems ddp diloco hivemind] [--target-loss LOSS] [--out experiments/out/vs_hivemind]
 
 Every row runs in namespace mode: each peer in its own network namespace with an htb cap of RATE
 Mbit/s each way and no added latency (`lowcomm simulate --netns --link RATEmbit`; hivemind: the
@@ -11,7 +11,8 @@ coordinator). Bytes are what the peers' nodes put on their veth links (Ethernet 
 ACKs and DHT traffic included), counted the same way for every system; the bootstrap or
 coordinator node is not counted.
 
-ddp runs --ddp-steps steps per peer; its final held-out loss is the target. The others run up to
+ddp runs --ddp-steps steps per peer; its final held-out loss is the target (--target-loss gives it
+instead, from an earlier ddp row, and ddp is not run). The others run up to
 2x ddp's tokens; a row's "time to target" is the wall time (from the first training step) of its
 first held-out evaluation at or below the target, its "bytes to target" what the peers had sent
 by then (interpolated in the ~1 s samples of the veth counters), else "not reached".
@@ -210,9 +211,10 @@ def _spread(values: list, spec: str) -> str:
     return f" ({format(min(values), spec)}-{format(max(values), spec)})" if len(values) > 1 else ""
 
 
-def table(rows: dict, peers: int) -> str:
+def table(rows: dict, peers: int, target_loss: float | None = None) -> str:
     """One line per link and system; a system run with several seeds shows their mean (min-max), its time
-    and bytes over the seeds that reached ddp's loss (how many did, if not all)."""
+    and bytes over the seeds that reached ddp's loss (how many did, if not all); ``target_loss`` stands
+    for ddp's where no ddp row is under OUT."""
     lines = ["| link | system | seeds | steps/peer | final loss | time to ddp's loss s | wire bytes to it "
              "| speed-up vs ddp | vs hivemind: time, bytes | wire bytes/token | of all wire bytes: DHT, checkpoints "
              "| compute util. | wall s |",
@@ -224,7 +226,7 @@ def table(rows: dict, peers: int) -> str:
             groups.setdefault(r["algo"], []).append(r)
         ddp = groups.get("ddp", [None])[0]
         hive = groups.get("hivemind", [None])[0]
-        target = ddp["final_loss"] if ddp else None
+        target = ddp["final_loss"] if ddp else target_loss
         hive_hit = to_target(hive, target) if hive and target is not None else None
         for algo in sorted(groups, key=lambda a: (a != "ddp", a == "hivemind", a)):
             group = groups[algo]
@@ -248,6 +250,8 @@ def table(rows: dict, peers: int) -> str:
                          f"{_fmt(bytes_ and bytes_ / 1e6, '.1f', 'n/a', ' MB')} | "
                          f"{_fmt(speed, '.2f', 'n/a', 'x')} | {vs_h} | {per_token:.1f} | {_split(r)} | "
                          f"{_fmt(_mean(utils), '.2f', 'n/a')} | {_mean([g['wall_s'] for g in group]):.0f} |")
+        if ddp is None and target is not None:
+            notes.append(f"- {rate} Mbit/s: no ddp row here; the target loss {target:.4f} is given (--target-loss).")
         if ddp:
             per_step = ddp["wall_s"] / ddp["steps"]
             compute = ddp["compute_s"] / (ddp["peers"] * ddp["steps"])
@@ -289,10 +293,13 @@ def main() -> None:
     parser.add_argument("--config", default=None, help="a lowcomm TOML for hivemind's workers (default: embedded)")
     parser.add_argument("--out", type=Path, default=Path("experiments/out/vs_hivemind"))
     parser.add_argument("--table-only", action="store_true")
+    parser.add_argument("--target-loss", type=float, default=None,
+                        help="ddp's final loss from an earlier run: ddp is not run, times are to this loss")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     load_config(args.config)  # a bad config fails here, before any namespace
-    cells = [(s, r, seed) for r in args.rates for s in ["ddp"] + [s for s in args.systems if s != "ddp"]
+    first = [] if args.target_loss is not None else ["ddp"]
+    cells = [(s, r, seed) for r in args.rates for s in first + [s for s in args.systems if s != "ddp"]
              for seed in (args.seeds if s in args.seeded else args.seeds[:1])]
     started, ran = time.time(), 0
     for i, (system, rate, seed) in enumerate(cells):
@@ -319,15 +326,15 @@ def main() -> None:
             if system != "hivemind" and "control_bytes" not in row and report.exists():
                 row = lowcomm_row(args.out, report, system, rate, steps, args.peers, seed)  # rows from before the split
                 path.write_text(json.dumps(row, indent=1))
-        write_outputs(args.out, args.peers)
-    print(write_outputs(args.out, args.peers))
+        write_outputs(args.out, args.peers, args.target_loss)
+    print(write_outputs(args.out, args.peers, args.target_loss))
 
 
-def write_outputs(out: Path, peers: int) -> str:
+def write_outputs(out: Path, peers: int, target_loss: float | None = None) -> str:
     """table.md, results.json and the plots from every row under OUT (this run's and earlier ones)."""
     every = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob(f"*-p{peers}.json"))
              + sorted(out.glob(f"*-p{peers}-s*.json"))}
-    text = table(every, peers)
+    text = table(every, peers, target_loss)
     (out / "table.md").write_text(text)
     (out / "results.json").write_text(json.dumps(every, indent=1))
     plot(every, out)

@@ -90,7 +90,7 @@ class Demo(PerStepReplica):
         config = self._config_at(step)
         own = [] if self.shared is not None else None
         handle = self.collective.start(self.key, step, self._payloads(config, own), self.tokens_per_step)
-        self._land()
+        self._land(sent_until=bytes_before)
         self._pending = (step, handle, config, t0, bytes_before)
         if (self.epoch_steps > 0 and (step + 1) % self.epoch_steps == 0) or step + 1 >= self.hooks.total_steps:
             self._land()
@@ -100,8 +100,10 @@ class Demo(PerStepReplica):
                     p.copy_(shared).add_(mine.to(p.device, p.dtype).sign(), alpha=-config.lr)
         return True
 
-    def _land(self) -> None:
-        """Waits for the step in flight and applies its U (a failure drops it: the runtime resyncs)."""
+    def _land(self, sent_until: int | None = None) -> None:
+        """Waits for the step in flight and applies its U (a failure drops it: the runtime resyncs).
+        Its bytes are those sent from its start until ``sent_until`` (the next step's start; default:
+        now), so the steps' windows do not overlap and add up to the run's bytes."""
         if self._pending is None:
             return
         step, handle, config, t0, bytes_before = self._pending
@@ -116,8 +118,8 @@ class Demo(PerStepReplica):
                 for p, shared in zip(self.model.parameters(), self.shared):
                     p.copy_(shared)
         # sync_s: what the step waited for, not the next step's compute that the round overlapped
-        self._landed(step, result, self.tokens_per_step, t0, self.hooks.meter() - bytes_before,
-                     sync_s=time.time() - waited)
+        sent = (self.hooks.meter() if sent_until is None else sent_until) - bytes_before
+        self._landed(step, result, self.tokens_per_step, t0, sent, sync_s=time.time() - waited)
 
     def in_flight(self) -> bool:
         return self._pending is not None
