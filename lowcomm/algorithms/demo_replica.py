@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from contextlib import contextmanager
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import nn
