@@ -13,7 +13,7 @@ lowcomm.runtime.in_process, the production replicas and combiner at the speed of
 With --algo demo the cells are DeMo's: ``plain`` without overlap, the others `demo.overlap` with that
 `demo.overlap_update` (algorithms.demo_replica); --lr sets `demo.lr` for every cell.
 A cell whose JSON exists is not run again (resumable per row); OUT/table.md is rewritten after every
-cell, with the final held-out loss and its gap to plain DiLoCo's at the same seed.
+cell, with the final held-out loss and its gap to the plain algorithm's at the same seed.
 """
 
 from __future__ import annotations
@@ -66,11 +66,15 @@ def run_cell(out: Path, rule: str, steps: int, seed: int, momentum: float | None
 
 
 def table(results: list[dict]) -> str:
+    demo_lr = default_config().demo.lr
+
     def setting(r: dict) -> str:  # what the gap holds equal: DiLoCo's μ, DeMo's plain run at its default η
         return f"μ {r['outer_momentum']:g}" if r.get("algo", "diloco") == "diloco" else "DeMo"
 
-    plain = {(setting(r), r["steps"], r["seed"]): r["loss"] for r in results
-             if r["rule"] == "plain" and (r.get("algo") != "demo" or r["lr"] == default_config().demo.lr)}
+    def baseline(r: dict) -> bool:
+        return r["rule"] == "plain" and (r.get("algo", "diloco") == "diloco" or r["lr"] == demo_lr)
+
+    plain = {(setting(r), r["steps"], r["seed"]): r["loss"] for r in results if baseline(r)}
     rows = ["| algorithm | rule | applied | outer momentum or η | steps | seeds | final held-out loss | gap vs plain |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     groups: dict[tuple, list[dict]] = {}
@@ -84,7 +88,7 @@ def table(results: list[dict]) -> str:
         gaps = [100 * (r["loss"] / plain[(setting(r), steps, r["seed"])] - 1) for r in rs
                 if (setting(r), steps, r["seed"]) in plain]
         spread = f" ± {statistics.stdev(losses):.4f}" if len(losses) > 1 else ""
-        gap = f"{statistics.mean(gaps):+.1f}%" if gaps and (rule != "plain" or knob != default_config().demo.lr) else ""
+        gap = f"{statistics.mean(gaps):+.1f}%" if gaps and not baseline(rs[0]) else ""
         rows.append(f"| {algo} | {rule} | {apply or 'n/a'} | {knob:g} | {steps} | {','.join(str(r['seed']) for r in rs)} | "
                     f"{statistics.mean(losses):.4f}{spread} | {gap} |")
     return "\n".join(rows) + "\n"
