@@ -181,17 +181,21 @@ class ManifestAgreement:
         """Posts it to the live peers due in the group; stores it only if one of them takes no posts or a
         post did not arrive (Decision 34; a withdrawal is always stored).
 
-        An announcement ahead goes to the peers of the last read of the live records, however old: it
-        follows a round whose agreement read them. A peer that joined since misses it (the round's own
-        announcement, after a fresh read, reaches it); should that peer write the round's manifest
-        before this one reaches the round, it leaves this one out, as a peer that announced late
-        (Decision 8)."""
-        records = self.reads.live(cached=bool(info.get("ahead")))
-        due = [rec for p, rec in records.items() if p != self.me and self.admits(p)
-               and rec.state in ("training", "joining") and self.due_in_group(group, rec)]
-        posted_only = info.get("endpoint") is not None and not any(rec.client_mode for rec in due)
-        self.wakes.publish([rec.endpoint for rec in due], ANNOUNCE, group, round_, self.control.record(info),
-                           store=lambda: self.control.announce(group, round_, info, self._ttl), posted_only=posted_only)
+        It goes at once to the peers of the last read of the live records, however old (a read waiting on
+        a DHT node that does not answer never holds it back, Decision 42); the round's own then also to
+        those a fresh read adds. A peer that joined since misses one ahead; should it write the round's
+        manifest first, it leaves this one out, as a peer that announced late (Decision 8)."""
+        posted: set[str] = set()
+        for records in [self.reads.live(cached=True)] if info.get("ahead") else self.reads.known_then_fresh():
+            due = [rec for p, rec in records.items() if p != self.me and p not in posted
+                   and self.admits(p) and rec.state in ("training", "joining") and self.due_in_group(group, rec)]
+            if posted and not due:
+                return
+            posted |= {rec.peer_id for rec in due} | {self.me}
+            posted_only = info.get("endpoint") is not None and not any(rec.client_mode for rec in due)
+            self.wakes.publish([rec.endpoint for rec in due], ANNOUNCE, group, round_, self.control.record(info),
+                               store=lambda: self.control.announce(group, round_, info, self._ttl),
+                               posted_only=posted_only)
 
     def agree(self, group: str, round_: int, epoch_rounds: int, codec: str,
               suspects: frozenset[str] = frozenset()) -> Manifest:

@@ -11,6 +11,7 @@ posts every look reads the DHT.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 from lowcomm.transport.control import ControlPlane, PeerRecord
 from lowcomm.transport.round_posts import ANNOUNCE, MANIFEST, VOTE, merge_announcements
@@ -61,6 +62,14 @@ class RoundReads:
     def _posted_votes(self, group: str, round_: int) -> dict[str, str]:
         return {p: v["hash"] for p, v in self.wakes.posted(VOTE, group, round_).items()
                 if isinstance(v.get("hash"), str)}
+
+    def known_then_fresh(self) -> Iterator[dict[str, PeerRecord]]:
+        """The live records of the last read, however old (read now if none was), then, unless that read
+        was just made, those of a fresh read (a new one once the last is older than a poll, as ``live``)."""
+        read_at = self._records[0]
+        yield self.live(cached=True)
+        if self._records[0] == read_at:
+            yield self.live()
 
     def live(self, cached: bool = False) -> dict[str, PeerRecord]:
         """The live peer records, read again once older than a poll (a round's looks share one read);

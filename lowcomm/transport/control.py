@@ -23,8 +23,10 @@ from hivemind.utils import get_dht_time
 
 from lowcomm.transport import dht_stores
 from lowcomm.transport.addresses import dht_maddrs
+from lowcomm.transport.held_records import HeldRecords
 from lowcomm.transport.identity import Identity, peer_id_of
 from lowcomm.transport.join_token import MAX_TOKEN_CHARS
+from lowcomm.transport.record_fields import clean_stats, short_label
 
 logger = logging.getLogger(__name__)
 DHT_CALL_S = 30.0  # the longest one store or get may take
@@ -100,53 +102,13 @@ class PeerRecord:
         record.throughput, record.grad_norm, record.done_at = (float(record.throughput), float(record.grad_norm),
                                                                float(record.done_at))
         record.loss, record.loss_kind = float(record.loss), str(record.loss_kind)[:16]
-        record.state, record.stage_state = _short(record.state), _short(record.stage_state)
-        record.device, record.link = _short(record.device), _short(record.link)
+        record.state, record.stage_state = short_label(record.state), short_label(record.stage_state)
+        record.device, record.link = short_label(record.device), short_label(record.link)
         if not isinstance(record.token, str) or len(record.token) > MAX_TOKEN_CHARS:
             raise ValueError("peer record's token is not a string of a join token's size")
         if not all(map(math.isfinite, (record.throughput, record.grad_norm, record.done_at, record.loss))):
             raise ValueError("peer record holds a non-finite number")
         return record
-
-
-STATS_NUMBERS = ("tokens", "steps", "sent", "received", "rejects", "resyncs", "contributed", "participated",
-                 "sync_s")
-LAST_ROUND_NUMBERS = ("round", "participants", "contributors", "bytes", "sync_s", "norm")
-MAX_PHI_CHARS = 64
-
-
-def _short(value: Any, limit: int = 64) -> str:
-    if not isinstance(value, str) or len(value) > limit or not value.isprintable():
-        raise ValueError("peer record holds a label that is not a short printable string")
-    return value
-
-
-def clean_stats(value: Any) -> dict:
-    """A peer record's `stats`: the known keys only, finite non-negative numbers, a short φ hash; a
-    ValueError for anything else (a record is a stranger's claim: it is shown, never trusted)."""
-    if not isinstance(value, dict):
-        raise ValueError("peer record's stats is not a dict")
-
-    def numbers(table: dict, names: tuple[str, ...]) -> dict:
-        out = {}
-        for name in names:
-            if name in table:
-                number = table[name]
-                if isinstance(number, bool) or not isinstance(number, (int, float)) \
-                        or not math.isfinite(number) or not 0 <= number < 1e18:
-                    raise ValueError(f"peer record's stats.{name} is not a finite non-negative number")
-                out[name] = number
-        return out
-
-    stats = numbers(value, STATS_NUMBERS)
-    last = value.get("last_round", {})
-    if not isinstance(last, dict):
-        raise ValueError("peer record's stats.last_round is not a dict")
-    if last:
-        stats["last_round"] = numbers(last, LAST_ROUND_NUMBERS)
-        phi = last.get("phi", "")
-        stats["last_round"]["phi"] = _short(phi, MAX_PHI_CHARS) if phi else ""
-    return stats
 
 
 class ControlPlane:
@@ -160,6 +122,7 @@ class ControlPlane:
         self.run_epoch = 0.0  # from the run config's record (fetch_config)
         self.calls: Counter[str] = Counter()  # "store peers", "get announce", ...: this node's DHT calls by kind
         self.searches: Counter[str] = Counter()  # "store peers", ...: the calls among them that searched the DHT
+        self._peers_held = HeldRecords()  # the peer records read so far, until they expire
 
     @classmethod
     def start(cls, identity: Identity, run: str, initial_peers: list[str] | None = None,
@@ -250,6 +213,10 @@ class ControlPlane:
 
     def _read(self, key: str) -> dict[str, dict]:
         """peer_id -> value for every well-formed record under `key` whose signer matches its peer_id."""
+        return {p: value for p, (value, _) in self._read_entries(key).items() if not value.get("gone")}
+
+    def _read_entries(self, key: str) -> dict[str, tuple[dict, float]]:
+        """peer_id -> (value, expiration) of every well-formed record under `key`, tombstones included."""
         self._count("get", key)
         found = self._wait(lambda: self.dht.get(key, latest=True, return_future=True))
         if found is None or not isinstance(found.value, dict):
@@ -262,8 +229,7 @@ class ControlPlane:
                 self.rejected_records += 1
                 logger.warning("dropped a record under %s whose signer does not match its peer_id", key)
                 continue
-            if not value.get("gone"):
-                out[signer] = value
+            out[signer] = (value, float(getattr(item, "expiration_time", 0.0)))
         return out
 
     # ---- run config -------------------------------------------------------------------------
@@ -328,8 +294,10 @@ class ControlPlane:
         self._expire(f"{self.run}.peers", ttl)
 
     def live_peers(self) -> dict[str, PeerRecord]:
+        """The live peer records: a read's, and those earlier reads returned that have not expired since
+        (a read can miss a node's records, transport.held_records)."""
         out = {}
-        for peer_id, value in self._read(f"{self.run}.peers").items():
+        for peer_id, value in self._peers_held.merge(self._read_entries(f"{self.run}.peers"), get_dht_time()).items():
             try:
                 out[peer_id] = PeerRecord.from_value(value)
             except (TypeError, ValueError):

@@ -103,8 +103,10 @@ def test_an_announcement_ahead_goes_to_the_records_last_read_and_reads_none():
     live["c"] = PeerRecord("c", "c:1", state="training", round=5)  # joined since that read
     agreement.announce("0-0", 6, ahead=True)
     assert control.reads["peers"] == 1 and sender.woken == [{"b:1"}, {"b:1"}]
-    agreement.announce("0-0", 6)  # the round's own announcement reads them again: c hears of it
-    assert control.reads["peers"] == 2 and sender.woken[-1] == {"b:1", "c:1"}
+    # the round's own announcement goes to b at once (no read before it: Decision 42), then reads them
+    # again: c hears of it
+    agreement.announce("0-0", 6)
+    assert control.reads["peers"] == 2 and sender.woken[-2:] == [{"b:1"}, {"c:1"}]
 
 
 class PostRecorder(RecordingSender):
@@ -176,3 +178,46 @@ def test_a_reached_round_is_announced_by_post_and_stored_only_where_a_post_canno
     agreement.withdraw("0-0", 8)  # a withdrawal is always stored
     assert set(store[("announce", "0-0", 8)]) == {me}
 
+
+
+class StalledReads(CountedControl):
+    """A control plane whose second read of the live records waits until ``released`` (a DHT node that
+    does not answer holds a read that long)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.reading, self.released = threading.Event(), threading.Event()
+
+    def live_peers(self):
+        if self.reads["peers"] >= 1:
+            self.reading.set()
+            assert self.released.wait(WAIT_S), "the read was never released"
+        return super().live_peers()
+
+
+class SignalingSender(RecordingSender):
+    def __init__(self):
+        super().__init__()
+        self.sent = threading.Event()
+
+    def wake(self, endpoints, group, round_):
+        super().wake(endpoints, group, round_)
+        self.sent.set()
+
+
+def test_a_stalled_read_of_the_records_does_not_hold_back_the_rounds_announcement_to_the_known_peers():
+    """Decision 42: a peer back from a cut made its peers' reads wait on its DHT node for seconds, and
+    their announcements, sent after the read, reached each other too late: both took the round alone."""
+    live = {p: PeerRecord(p, f"{p}:1", state="training", round=5) for p in ("a", "b")}
+    control, sender = StalledReads("a", {}, live), SignalingSender()
+    agreement = ManifestAgreement(control, SYNC, "a:1", wakes=Wakes(Wakeups(), sender, poll_s=0.0))
+    agreement.announce("0-0", 5, ahead=True)  # the first read: b is known
+    sender.sent.clear()
+    live["c"] = PeerRecord("c", "c:1", state="training", round=5)
+    announcing = threading.Thread(target=agreement.announce, args=("0-0", 6), daemon=True)
+    announcing.start()
+    assert control.reading.wait(WAIT_S)  # the fresh read has begun and is held
+    assert sender.sent.wait(WAIT_S) and sender.woken[-1] == {"b:1"}  # ... and b already has the announcement
+    control.released.set()
+    announcing.join(WAIT_S)
+    assert not announcing.is_alive() and sender.woken[-1] == {"c:1"}  # c, which the read adds, too
