@@ -3,7 +3,8 @@
 wait on them; and the DHT reads a round costs a peer stay within a bound of the design: a look per
 wake (each other peer's announcement, the manifest) and a few of its own, not one per 50 ms. An
 announcement ahead reads no records; a φ vote is posted to the due peers, the members and the
-coordinator; a round's announcements are stored only where a post cannot reach (Decision 34)."""
+coordinator; a round's announcements are stored only where a post cannot reach (Decision 34), and
+reach the peers already known while a fresh read of the records is held (Decision 42)."""
 
 from __future__ import annotations
 
@@ -177,7 +178,6 @@ def test_a_reached_round_is_announced_by_post_and_stored_only_where_a_post_canno
     assert set(store[("announce", "0-0", 7)]) == {beside_me}
     agreement.withdraw("0-0", 8)  # a withdrawal is always stored
     assert set(store[("announce", "0-0", 8)]) == {me}
-
 
 
 class StalledReads(CountedControl):
