@@ -294,8 +294,10 @@ def test_a_failed_catch_up_says_why_the_members_refused(nodes):
     reduces = [n.reduce(board) for n in members]
     [h.result(WAIT_S) for h in [r.start(KEY, 2, payload(i), 1.0) for i, r in enumerate(reduces)]]
     theirs = board.manifests[(KEY.group, 2)]
-    other = Manifest(KEY.run, KEY.group, 2, 1, theirs.members[1], theirs.members, theirs.endpoints, theirs.owners,
-                     theirs.codec)
+    # the same round under another leader (whichever member wrote theirs: another manifest needs another one)
+    leader = next(m for m in theirs.members if m != theirs.leader)
+    other = Manifest(KEY.run, KEY.group, 2, 1, leader, theirs.members, theirs.endpoints, theirs.owners, theirs.codec)
+    assert other.digest != theirs.digest
     with pytest.raises(CollectiveError, match="no member returned shards .0, 1, 2.*under another manifest"):
         late.reduce(board).catch_up(KEY, 2, NUMEL, other)
 
