@@ -10,6 +10,7 @@ row (row-major inside the block), which is the order top-k indices refer to.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -39,6 +40,10 @@ class Blocking:
 
     @classmethod
     def of(cls, shape: tuple[int, ...], s: int) -> Blocking:
+        return _blocking(tuple(shape), s)
+
+    @classmethod
+    def _build(cls, shape: tuple[int, ...], s: int) -> Blocking:
         if len(shape) == 0:
             view: tuple[int, ...] = (1,)
         elif len(shape) <= 2:
@@ -47,15 +52,15 @@ class Blocking:
             view = (shape[0], math.prod(shape[1:]))
         return cls(tuple(shape), view, tuple(chunk_edge(n, s) for n in view))
 
-    @property
+    @functools.cached_property
     def grid(self) -> tuple[int, ...]:
         return tuple(n // e for n, e in zip(self.view, self.edges))
 
-    @property
+    @functools.cached_property
     def num_blocks(self) -> int:
         return math.prod(self.grid) if math.prod(self.view) else 0
 
-    @property
+    @functools.cached_property
     def block_len(self) -> int:
         return math.prod(self.edges)
 
@@ -75,11 +80,32 @@ class Blocking:
 
     def flat_indices(self, local: torch.Tensor) -> torch.Tensor:
         """Flat positions in the whole tensor of per-block indices ``local`` (num_blocks, k)."""
-        block = torch.arange(self.num_blocks, dtype=torch.int64).unsqueeze(1)
-        local = local.to(torch.int64)
-        if len(self.view) == 1:
-            return (block * self.block_len + local).reshape(-1)
-        (_, g2), (c1, c2) = self.grid, self.edges
-        rows = (block // g2) * c1 + local // c2
-        cols = (block % g2) * c2 + local % c2
-        return (rows * self.view[1] + cols).reshape(-1)
+        small = self.num_blocks + self.block_len <= _MAX_CACHED_OFFSETS
+        starts, offsets = _cached_offsets(self) if small else _offsets(self)
+        return (starts + offsets[local.to(torch.int64)]).reshape(-1)
+
+
+# Blockings are small and a decoder meets the same few shapes every round; the shapes and chunk come
+# from the wire, so both caches are bounded, and offset tables only of blockings up to 2^16 entries
+# (at most 64 × 512 KiB held, whatever a sender declares).
+_MAX_CACHED_OFFSETS = 1 << 16
+
+
+@functools.lru_cache(maxsize=1024)
+def _blocking(shape: tuple[int, ...], s: int) -> Blocking:
+    return Blocking._build(shape, s)
+
+
+def _offsets(blocking: Blocking) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat position of each block's first entry, as a column; flat offset of each in-block index
+    from it): a flat position is their sum."""
+    block = torch.arange(blocking.num_blocks, dtype=torch.int64).unsqueeze(1)
+    local = torch.arange(blocking.block_len, dtype=torch.int64)
+    if len(blocking.view) == 1:
+        return block * blocking.block_len, local
+    (_, g2), (c1, c2) = blocking.grid, blocking.edges
+    cols = blocking.view[1]
+    return (block // g2) * c1 * cols + (block % g2) * c2, (local // c2) * cols + local % c2
+
+
+_cached_offsets = functools.lru_cache(maxsize=64)(_offsets)
