@@ -54,12 +54,15 @@ def drift_sources(hashes: dict[str, str], me: str, voters=None) -> list[str] | N
     """The voters to resync from when my φ hash of a round is not the agreed one; None when it is.
 
     Only the hashes of ``voters`` (the last round's contributors; None: every hash) count. The agreed
-    hash is the one most of them (at least 3) published; a tie goes to the hash the smallest voter id
-    holds (round_anchor.agreed_hash), so every peer that reads the same hashes settles a split the
-    same way: without it a 2-2 split had no majority to follow and stayed split for the rest of the run.
+    hash is the one most of them published; a tie goes to the hash the smallest voter id holds
+    (round_anchor.agreed_hash), so every peer that reads the same hashes settles a split the same
+    way: without it a 2-2 split had no majority to follow and stayed split for the rest of the run.
+    Two voters that disagree are such a tie (1-1): the larger id resyncs from the smaller. Neither
+    can tell which of them drifted, but two replicas that apply every later aggregate to different
+    φ never come back together, and every round's aggregate was meant for one φ.
     """
     votes = hashes if voters is None else {p: h for p, h in hashes.items() if p in voters}
-    if len(votes) < 3 or me not in hashes:
+    if len(votes) < 2 or me not in hashes:
         return None
     agreed = agreed_hash(votes)
     if hashes[me] == agreed:
