@@ -22,7 +22,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -40,6 +40,9 @@ MIN_READ_S = 0.05  # a waiter reads at most this often, however many wakes come 
 WAKE_TIMEOUT_S = 1.0  # one wake call; a peer that does not answer in time only loses the hint
 MAX_GROUP_CHARS = 256
 MAX_PENDING_WAKES = 256  # wakes queued to send at once; beyond that one is dropped (the poll covers it)
+MAX_QUEUED_PER_PEER = 16  # of those, waiting for one peer while a call to it is in flight
+WAKE_BACKOFF_S = 2.0  # after a failed call to a peer, what is sent to it this long fails at once (POSTED_DHT_POLL_S)
+FAILED_PEERS_KEPT = 1024  # the peers whose last failed call is remembered
 POSTED_DHT_POLL_S = 2.0  # with round posts: how often a waiter reads the round's records from the DHT too
 DHT_READS_KEPT = 64  # the records (kind, group, round) whose last DHT read is remembered
 
@@ -118,13 +121,21 @@ def valid_wake(request) -> str | None:
 
 
 class WakeSender:
-    """Sends wakes in the background: fire and forget, a few at a time, each bounded by WAKE_TIMEOUT_S."""
+    """Sends wakes and posts in the background: fire and forget, a few at a time, each bounded by
+    WAKE_TIMEOUT_S. One call at a time goes to a peer (the rest wait in its queue of at most
+    MAX_QUEUED_PER_PEER, taking turns with other peers' in the pool), and after a call to it failed,
+    what is sent to it for ``backoff_s`` fails at once: a peer that does not answer (dead, cut off,
+    a stranger's endpoint that never replies) costs one timeout and one of the pool's threads, not
+    one per post, and does not hold back the posts to the peers that answer."""
 
-    def __init__(self, channels: Channels, traffic: Traffic, threads: int = 4):
-        self.channels, self.traffic = channels, traffic
+    def __init__(self, channels: Channels, traffic: Traffic, threads: int = 4, backoff_s: float = WAKE_BACKOFF_S):
+        self.channels, self.traffic, self.backoff_s = channels, traffic, backoff_s
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="wake")
-        self._pending = threading.BoundedSemaphore(MAX_PENDING_WAKES)
-        self.sent = self.failed = self.dropped = 0
+        self._lock = threading.Lock()
+        self._queues: dict[str, deque] = {}  # endpoint -> what waits for its call in flight
+        self._failed_at: OrderedDict[str, float] = OrderedDict()  # endpoint -> when a call to it last failed
+        self._pending = 0  # queued or in flight, bounded by MAX_PENDING_WAKES
+        self.sent = self.failed = self.dropped = 0  # dropped: never sent (the bounds, or the backoff)
 
     def wake(self, endpoints, group: str, round_: int) -> None:
         """Wakes the peers at ``endpoints`` (those that are not strings, or empty, are skipped)."""
@@ -135,32 +146,83 @@ class WakeSender:
         once (on a thread of its own) if it did not reach one of them: refused, timed out or dropped."""
         failure = _OnceFailed(on_failed)
         for endpoint in {e for e in endpoints if isinstance(e, str) and e}:
-            if not self._pending.acquire(blocking=False):
+            with self._lock:
+                start = self._admit(endpoint, request, failure)
+            if start is None:
                 self.dropped += 1
                 failure()
-                continue
-            try:
-                self._pool.submit(self._send, endpoint, request, failure)
-            except RuntimeError:  # shut down
-                self._pending.release()
+            elif start and not self._submit(endpoint, request, failure):
                 return
+
+    def _admit(self, endpoint: str, request, failure) -> bool | None:
+        """Under the lock: True to call ``endpoint`` now, False when queued behind its call in flight,
+        None when dropped."""
+        failed_at = self._failed_at.get(endpoint)
+        if failed_at is not None and time.monotonic() - failed_at < self.backoff_s:
+            return None
+        queue = self._queues.get(endpoint)
+        if self._pending >= MAX_PENDING_WAKES or (queue is not None and len(queue) >= MAX_QUEUED_PER_PEER):
+            return None
+        self._pending += 1
+        if queue is None:
+            self._queues[endpoint] = deque()
+            return True
+        queue.append((request, failure))
+        return False
+
+    def _submit(self, endpoint: str, request, failure) -> bool:
+        try:
+            self._pool.submit(self._send, endpoint, request, failure)
+            return True
+        except RuntimeError:  # shut down
+            with self._lock:
+                self._pending -= 1 + len(self._queues.pop(endpoint, ()))
+            return False
 
     def _send(self, endpoint: str, request: wire_pb2.WakeRequest, failure: "_OnceFailed") -> None:
         deadline = deadline_after(WAKE_TIMEOUT_S)
+        ok = False
         try:
             self.traffic.count_sent(request, deadline)
             reply = self.channels.stub(endpoint).Wake(request, timeout=WAKE_TIMEOUT_S)
             self.traffic.count_received(reply, deadline)
-            self.sent += 1
-            return
+            ok = True
         except grpc.RpcError as e:
             logger.debug("wake to %s failed: %s", endpoint, e.code())
         except Exception as e:  # a closed channel at shutdown: the hint is lost, nothing else
             logger.debug("wake to %s failed: %s", endpoint, e)
-        finally:
-            self._pending.release()
-        self.failed += 1
-        failure()
+        if ok:
+            self.sent += 1
+        else:
+            self.failed += 1
+            failure()
+        self._next(endpoint, ok)
+
+    def _next(self, endpoint: str, ok: bool) -> None:
+        """The endpoint's next post, at the back of the pool's queue (peers take turns); after a failure
+        every post queued for it fails at once."""
+        with self._lock:
+            self._pending -= 1
+            if ok:
+                self._failed_at.pop(endpoint, None)
+            else:
+                self._failed_at[endpoint] = time.monotonic()
+                self._failed_at.move_to_end(endpoint)
+                while len(self._failed_at) > FAILED_PEERS_KEPT:
+                    self._failed_at.popitem(last=False)
+            queue = self._queues[endpoint]
+            dropped = [] if ok else list(queue)
+            if dropped:
+                queue.clear()
+                self._pending -= len(dropped)
+            upcoming = queue.popleft() if queue else None
+            if upcoming is None:
+                del self._queues[endpoint]
+        self.dropped += len(dropped)
+        for _, failure in dropped:
+            failure()
+        if upcoming is not None:
+            self._submit(endpoint, *upcoming)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,6 +1,7 @@
 """Wakes (transport.wakeups) are hints: kept only for a round somebody watches, each ends one wait,
 and a flood of them ends waits no more often than MIN_READ_S; a WakeSender reaches live peers and
-only counts a dead one as failed."""
+only counts a dead one as failed, sends one call at a time to a peer, and does not call a peer again
+for a while after a call to it failed."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import threading
 import time
 
 from children import wait_until
-from lowcomm.proto.wire_pb2 import WakeRequest
+from lowcomm.proto.wire_pb2 import WakeReply, WakeRequest
+from lowcomm.transport import wakeups as wakeups_module
 from lowcomm.transport.service import PeerService
 from lowcomm.transport.wakeups import MIN_READ_S, Wakes, WakeSender, Wakeups
 from lowcomm.transport.wire import Channels, Traffic, start_server
@@ -121,3 +123,62 @@ def test_a_post_that_misses_a_peer_runs_its_fallback_once_and_one_that_arrives_n
         channels.close()
         server.stop(0)
         service.channels.close()
+
+
+def test_a_peer_that_does_not_answer_holds_one_call_and_not_the_posts_to_the_others(monkeypatch):
+    """With two threads, six posts to a peer whose handler holds every call would have taken both
+    threads and kept the post to the live peer waiting until the stuck peer answered."""
+    monkeypatch.setattr(wakeups_module, "WAKE_TIMEOUT_S", WAIT_S)  # the stuck calls end when the test says
+    release, entered = threading.Event(), []
+
+    def hold(request, context):
+        entered.append(request.round)
+        release.wait(WAIT_S)
+        return WakeReply()
+
+    stuck, live = PeerService("stuck", Traffic(), Channels(1 << 16)), PeerService("live", Traffic(), Channels(1 << 16))
+    stuck.Wake = hold  # before the server binds the handler
+    servers = [start_server(service, "127.0.0.1", 0, 1 << 16) for service in (stuck, live)]
+    (_, stuck_port), (_, live_port) = servers
+    channels = Channels(1 << 16)
+    sender = WakeSender(channels, Traffic(), threads=2)
+    try:
+        for round_ in range(6):
+            sender.wake([f"127.0.0.1:{stuck_port}"], "g", round_)
+        with live.wakeups.watching("g", 9):
+            sender.wake([f"127.0.0.1:{live_port}"], "g", 9)
+            assert live.wakeups.wait("g", 9, WAIT_S), "the live peer's wake waited behind the stuck peer's"
+        assert entered == [0] and sender.sent == 1  # one call in flight to the stuck peer, the rest queued
+        release.set()
+        wait_until(lambda: sender.sent == 7, WAIT_S, "the stuck peer's queued wakes")
+        assert entered == list(range(6)) and sender.failed == sender.dropped == 0  # in order, one at a time
+    finally:
+        release.set()
+        sender.close()
+        channels.close()
+        for server, _ in servers:
+            server.stop(0)
+        stuck.channels.close()
+        live.channels.close()
+
+
+def test_after_a_failed_call_a_peer_is_not_called_again_for_a_while_and_the_fallback_runs():
+    channels = Channels(1 << 16)
+    sender = WakeSender(channels, Traffic(), backoff_s=WAIT_S)
+    calls, fallbacks = [], []
+    original = sender._send
+
+    def counted(endpoint, *args):
+        calls.append(endpoint)
+        original(endpoint, *args)
+
+    sender._send = counted
+    try:
+        sender.send(["127.0.0.1:1"], WakeRequest(group="g", round=1))  # nothing listens there
+        wait_until(lambda: sender.failed == 1, WAIT_S, "the failed call")
+        sender.send(["127.0.0.1:1"], WakeRequest(group="g", round=2), on_failed=lambda: fallbacks.append(2))
+        wait_until(lambda: fallbacks == [2], WAIT_S, "the second post's fallback")
+        assert calls == ["127.0.0.1:1"] and sender.failed == 1 and sender.dropped == 1  # no second call
+    finally:
+        sender.close()
+        channels.close()
