@@ -80,9 +80,18 @@ class Blocking:
 
     def flat_indices(self, local: torch.Tensor) -> torch.Tensor:
         """Flat positions in the whole tensor of per-block indices ``local`` (num_blocks, k)."""
-        small = self.num_blocks + self.block_len <= _MAX_CACHED_OFFSETS
-        starts, offsets = _cached_offsets(self) if small else _offsets(self)
-        return (starts + offsets[local.to(torch.int64)]).reshape(-1)
+        local = local.to(torch.int64)
+        if self.num_blocks + self.block_len <= _MAX_CACHED_OFFSETS:
+            starts, offsets = _cached_offsets(self)
+            return (starts + offsets[local]).reshape(-1)
+        # a large blocking: work in proportion to the indices sent, not to the blocks a sender declared
+        block = torch.arange(self.num_blocks, dtype=torch.int64).unsqueeze(1)
+        if len(self.view) == 1:
+            return (block * self.block_len + local).reshape(-1)
+        (_, g2), (c1, c2) = self.grid, self.edges
+        rows = (block // g2) * c1 + local // c2
+        cols = (block % g2) * c2 + local % c2
+        return (rows * self.view[1] + cols).reshape(-1)
 
 
 # Blockings are small and a decoder meets the same few shapes every round; the shapes and chunk come
@@ -96,7 +105,8 @@ def _blocking(shape: tuple[int, ...], s: int) -> Blocking:
     return Blocking._build(shape, s)
 
 
-def _offsets(blocking: Blocking) -> tuple[torch.Tensor, torch.Tensor]:
+@functools.lru_cache(maxsize=64)
+def _cached_offsets(blocking: Blocking) -> tuple[torch.Tensor, torch.Tensor]:
     """(flat position of each block's first entry, as a column; flat offset of each in-block index
     from it): a flat position is their sum."""
     block = torch.arange(blocking.num_blocks, dtype=torch.int64).unsqueeze(1)
@@ -107,5 +117,3 @@ def _offsets(blocking: Blocking) -> tuple[torch.Tensor, torch.Tensor]:
     cols = blocking.view[1]
     return (block // g2) * c1 * cols + (block % g2) * c2, (local // c2) * cols + local % c2
 
-
-_cached_offsets = functools.lru_cache(maxsize=64)(_offsets)

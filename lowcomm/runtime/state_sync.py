@@ -50,19 +50,23 @@ def resync_deadline_s(sync) -> float:
     return round_timeout(sync) + sync.record_ttl_s
 
 
-def drift_sources(hashes: dict[str, str], me: str, voters=None) -> list[str] | None:
+def drift_sources(hashes: dict[str, str], me: str, voters=None, members=None) -> list[str] | None:
     """The voters to resync from when my φ hash of a round is not the agreed one; None when it is.
 
     Only the hashes of ``voters`` (the last round's contributors; None: every hash) count. The agreed
     hash is the one most of them published; a tie goes to the hash the smallest voter id holds
     (round_anchor.agreed_hash), so every peer that reads the same hashes settles a split the same
     way: without it a 2-2 split had no majority to follow and stayed split for the rest of the run.
-    Two voters that disagree are such a tie (1-1): the larger id resyncs from the smaller. Neither
-    can tell which of them drifted, but two replicas that apply every later aggregate to different
-    φ never come back together, and every round's aggregate was meant for one φ.
+    A verdict needs 3 voters, or 2 that were every member of the round (``members``: the peers that
+    applied it; None: unknown). Those two disagreeing are a tie (1-1): the larger id resyncs from the
+    smaller. Neither can tell which of them drifted, but two replicas that apply every later aggregate
+    to different φ never come back together. Two contributors among more members (a bounded fan-in)
+    give no verdict: the members that did not contribute hold the round's φ too, and their hashes do
+    not count here.
     """
     votes = hashes if voters is None else {p: h for p, h in hashes.items() if p in voters}
-    if len(votes) < 2 or me not in hashes:
+    everyone = voters is not None and members is not None and set(members) <= set(voters)
+    if len(votes) < (2 if everyone else 3) or me not in hashes:
         return None
     agreed = agreed_hash(votes)
     if hashes[me] == agreed:
@@ -283,7 +287,7 @@ class StateSync:
             if not voters <= hashes.keys():
                 self.ctx.log.event("drift_unchecked", round=round_, missing=len(voters - hashes.keys()))
                 return False
-        sources = drift_sources(hashes, self.ctx.me, voters)
+        sources = drift_sources(hashes, self.ctx.me, voters, self.progress.last_members)
         if sources is None:
             return False
         self.resync(f"φ hash of round {round_} disagrees with {len(sources)} of {len(hashes)} peers", sources)

@@ -43,6 +43,7 @@ MAX_PENDING_WAKES = 256  # wakes queued to send at once; beyond that one is drop
 MAX_QUEUED_PER_PEER = 16  # of those, waiting for one peer while a call to it is in flight
 WAKE_BACKOFF_S = 2.0  # after a failed call to a peer, what is sent to it this long fails at once (POSTED_DHT_POLL_S)
 FAILED_PEERS_KEPT = 1024  # the peers whose last failed call is remembered
+_UNREACHED = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)  # a refusal is an answer
 POSTED_DHT_POLL_S = 2.0  # with round posts: how often a waiter reads the round's records from the DHT too
 DHT_READS_KEPT = 64  # the records (kind, group, round) whose last DHT read is remembered
 
@@ -123,10 +124,11 @@ def valid_wake(request) -> str | None:
 class WakeSender:
     """Sends wakes and posts in the background: fire and forget, a few at a time, each bounded by
     WAKE_TIMEOUT_S. One call at a time goes to a peer (the rest wait in its queue of at most
-    MAX_QUEUED_PER_PEER, taking turns with other peers' in the pool), and after a call to it failed,
-    what is sent to it for ``backoff_s`` fails at once: a peer that does not answer (dead, cut off,
-    a stranger's endpoint that never replies) costs one timeout and one of the pool's threads, not
-    one per post, and does not hold back the posts to the peers that answer."""
+    MAX_QUEUED_PER_PEER, taking turns with other peers' in the pool), and after a call to it went
+    unanswered (timed out or unreachable; a refusal is an answer), what is sent to it for
+    ``backoff_s`` fails at once: a peer that does not answer (dead, cut off, a stranger's endpoint
+    that never replies) costs one timeout and one of the pool's threads, not one per post, and does
+    not hold back the posts to the peers that answer."""
 
     def __init__(self, channels: Channels, traffic: Traffic, threads: int = 4, backoff_s: float = WAKE_BACKOFF_S):
         self.channels, self.traffic, self.backoff_s = channels, traffic, backoff_s
@@ -135,6 +137,7 @@ class WakeSender:
         self._queues: dict[str, deque] = {}  # endpoint -> what waits for its call in flight
         self._failed_at: OrderedDict[str, float] = OrderedDict()  # endpoint -> when a call to it last failed
         self._pending = 0  # queued or in flight, bounded by MAX_PENDING_WAKES
+        self._closed = False
         self.sent = self.failed = self.dropped = 0  # dropped: never sent (the bounds, or the backoff)
 
     def wake(self, endpoints, group: str, round_: int) -> None:
@@ -148,8 +151,9 @@ class WakeSender:
         for endpoint in {e for e in endpoints if isinstance(e, str) and e}:
             with self._lock:
                 start = self._admit(endpoint, request, failure)
+                if start is None:
+                    self.dropped += 1
             if start is None:
-                self.dropped += 1
                 failure()
             elif start and not self._submit(endpoint, request, failure):
                 return
@@ -158,7 +162,7 @@ class WakeSender:
         """Under the lock: True to call ``endpoint`` now, False when queued behind its call in flight,
         None when dropped."""
         failed_at = self._failed_at.get(endpoint)
-        if failed_at is not None and time.monotonic() - failed_at < self.backoff_s:
+        if self._closed or (failed_at is not None and time.monotonic() - failed_at < self.backoff_s):
             return None
         queue = self._queues.get(endpoint)
         if self._pending >= MAX_PENDING_WAKES or (queue is not None and len(queue) >= MAX_QUEUED_PER_PEER):
@@ -174,57 +178,67 @@ class WakeSender:
         try:
             self._pool.submit(self._send, endpoint, request, failure)
             return True
-        except RuntimeError:  # shut down
+        except RuntimeError:  # shut down (or no thread could start: the call was queued all the same)
             with self._lock:
+                if not self._closed:
+                    return True
                 self._pending -= 1 + len(self._queues.pop(endpoint, ()))
             return False
 
     def _send(self, endpoint: str, request: wire_pb2.WakeRequest, failure: "_OnceFailed") -> None:
         deadline = deadline_after(WAKE_TIMEOUT_S)
-        ok = False
+        outcome = "refused"
         try:
             self.traffic.count_sent(request, deadline)
             reply = self.channels.stub(endpoint).Wake(request, timeout=WAKE_TIMEOUT_S)
             self.traffic.count_received(reply, deadline)
-            ok = True
+            outcome = "sent"
         except grpc.RpcError as e:
             logger.debug("wake to %s failed: %s", endpoint, e.code())
+            if e.code() in _UNREACHED:
+                outcome = "unreached"
         except Exception as e:  # a closed channel at shutdown: the hint is lost, nothing else
             logger.debug("wake to %s failed: %s", endpoint, e)
-        if ok:
-            self.sent += 1
-        else:
-            self.failed += 1
+        finally:
+            dropped = self._next(endpoint, outcome)
+        if outcome != "sent":
             failure()
-        self._next(endpoint, ok)
+        for _, queued_failure in dropped:
+            queued_failure()
 
-    def _next(self, endpoint: str, ok: bool) -> None:
-        """The endpoint's next post, at the back of the pool's queue (peers take turns); after a failure
-        every post queued for it fails at once."""
+    def _next(self, endpoint: str, outcome: str) -> list:
+        """Counts the call and submits the endpoint's next post, at the back of the pool's queue (peers take
+        turns). A peer that did not answer is not called for ``backoff_s``: what is queued for it is
+        returned, dropped (the caller runs their fallbacks)."""
         with self._lock:
             self._pending -= 1
-            if ok:
-                self._failed_at.pop(endpoint, None)
+            if outcome == "sent":
+                self.sent += 1
             else:
+                self.failed += 1
+            if outcome == "unreached":
                 self._failed_at[endpoint] = time.monotonic()
                 self._failed_at.move_to_end(endpoint)
                 while len(self._failed_at) > FAILED_PEERS_KEPT:
                     self._failed_at.popitem(last=False)
-            queue = self._queues[endpoint]
-            dropped = [] if ok else list(queue)
+            else:
+                self._failed_at.pop(endpoint, None)
+            queue = self._queues.get(endpoint, deque())
+            dropped = list(queue) if outcome == "unreached" else []
             if dropped:
                 queue.clear()
                 self._pending -= len(dropped)
+                self.dropped += len(dropped)
             upcoming = queue.popleft() if queue else None
             if upcoming is None:
-                del self._queues[endpoint]
-        self.dropped += len(dropped)
-        for _, failure in dropped:
-            failure()
+                self._queues.pop(endpoint, None)
         if upcoming is not None:
             self._submit(endpoint, *upcoming)
+        return dropped
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -238,7 +252,10 @@ class _OnceFailed:
         with self._lock:
             run, self._on_failed = self._on_failed, None
         if run is not None:
-            threading.Thread(target=_logged, args=(run,), daemon=True, name="post-fallback").start()
+            try:
+                threading.Thread(target=_logged, args=(run,), daemon=True, name="post-fallback").start()
+            except RuntimeError as e:  # no thread to be had: the record is lost to the peers the post missed
+                logger.info("could not start a post's fallback: %s", e)
 
 
 def _logged(call: Callable[[], None]) -> None:

@@ -14,10 +14,15 @@ def test_the_agreed_hash_is_the_majority_and_a_tie_goes_to_the_smallest_peer_id(
     assert drift_sources({"a": "y", "b": "x", "c": "x", "d": "y"}, "d") is None
     assert drift_sources({"a": "z", "b": "x", "c": "x", "d": "y"}, "a") == ["b", "c"]  # 2-1-1: no tie
     assert drift_sources({"c": "z", "b": "x", "a": "y"}, "b") == ["a"]  # 1-1-1
-    assert drift_sources({"a": "x", "b": "y"}, "b") == ["a"]  # 1-1: a tie like 2-2, the smallest id's hash
-    assert drift_sources({"a": "x", "b": "y"}, "a") is None
-    assert drift_sources({"a": "x"}, "a") is None  # one voter: nothing to compare
-    assert drift_sources({"a": "x", "b": "y", "c": "y"}, "b", voters={"a", "b"}) == ["a"]  # c did not contribute
+    pair = {"a", "b"}
+    assert drift_sources({"a": "x", "b": "y"}, "b", pair, pair) == ["a"]  # 1-1 of the round's only members
+    assert drift_sources({"a": "x", "b": "y"}, "a", pair, pair) is None
+    assert drift_sources({"a": "x", "b": "y"}, "b") is None  # who applied the round unknown: no verdict
+    assert drift_sources({"a": "x"}, "a", {"a"}, {"a"}) is None  # one voter: nothing to compare
+    # two contributors of four members (a bounded fan-in): c and d hold the round's φ too, so no verdict
+    four = {"a": "x", "b": "y", "c": "y", "d": "y"}
+    for me in "bcd":
+        assert drift_sources(four, me, pair, {"a", "b", "c", "d"}) is None
     assert drift_sources({"a": "x", "b": "y", "c": "y"}, "d") is None  # mine not published
 
 

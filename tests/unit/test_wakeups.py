@@ -182,3 +182,44 @@ def test_after_a_failed_call_a_peer_is_not_called_again_for_a_while_and_the_fall
     finally:
         sender.close()
         channels.close()
+
+
+def test_a_refused_post_is_an_answer_and_the_next_wake_goes_through():
+    service = PeerService("woken", Traffic(), Channels(1 << 16))  # takes no round posts: refuses one
+    server, port = start_server(service, "127.0.0.1", 0, 1 << 16)
+    channels = Channels(1 << 16)
+    sender = WakeSender(channels, Traffic(), backoff_s=WAIT_S)
+    refused = threading.Event()
+    try:
+        sender.send([f"127.0.0.1:{port}"], WakeRequest(group="g", round=5, kind="announce"),
+                    on_failed=refused.set)
+        assert refused.wait(WAIT_S)
+        with service.wakeups.watching("g", 6):
+            sender.wake([f"127.0.0.1:{port}"], "g", 6)
+            assert service.wakeups.wait("g", 6, WAIT_S), "the wake after a refusal was not sent"
+        assert sender.failed == 1 and sender.dropped == 0
+    finally:
+        sender.close()
+        channels.close()
+        server.stop(0)
+        service.channels.close()
+
+
+def test_a_fallback_without_a_thread_to_run_on_leaves_the_sender_calling(monkeypatch):
+    class NoThread:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def start(self):
+            raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(wakeups_module, "threading", type("T", (), {"Thread": NoThread, "Lock": threading.Lock}))
+    channels = Channels(1 << 16)
+    sender = WakeSender(channels, Traffic(), backoff_s=0.0)
+    try:
+        for round_ in range(3):  # nothing listens there; each post's fallback fails to start
+            sender.send(["127.0.0.1:1"], WakeRequest(group="g", round=round_), on_failed=lambda: None)
+            wait_until(lambda: sender.failed == round_ + 1, WAIT_S, f"a call for post {round_}")
+    finally:
+        sender.close()
+        channels.close()
