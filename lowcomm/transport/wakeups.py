@@ -41,9 +41,11 @@ WAKE_TIMEOUT_S = 1.0  # one wake call; a peer that does not answer in time only 
 MAX_GROUP_CHARS = 256
 MAX_PENDING_WAKES = 256  # wakes queued to send at once; beyond that one is dropped (the poll covers it)
 MAX_QUEUED_PER_PEER = 16  # of those, waiting for one peer while a call to it is in flight
-WAKE_BACKOFF_S = 2.0  # after a failed call to a peer, what is sent to it this long fails at once (POSTED_DHT_POLL_S)
+WAKE_BACKOFF_S = 2.0  # after a call to a peer timed out, what is sent to it this long fails at once (POSTED_DHT_POLL_S)
 FAILED_PEERS_KEPT = 1024  # the peers whose last failed call is remembered
-_UNREACHED = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)  # a refusal is an answer
+# a call that held a thread for all of WAKE_TIMEOUT_S; a refusal is an answer, and a refused connection (UNAVAILABLE)
+# costs no wait and may be a busy peer's, so neither starts the backoff
+_UNREACHED = (grpc.StatusCode.DEADLINE_EXCEEDED,)
 POSTED_DHT_POLL_S = 2.0  # with round posts: how often a waiter reads the round's records from the DHT too
 DHT_READS_KEPT = 64  # the records (kind, group, round) whose last DHT read is remembered
 
@@ -124,11 +126,10 @@ def valid_wake(request) -> str | None:
 class WakeSender:
     """Sends wakes and posts in the background: fire and forget, a few at a time, each bounded by
     WAKE_TIMEOUT_S. One call at a time goes to a peer (the rest wait in its queue of at most
-    MAX_QUEUED_PER_PEER, taking turns with other peers' in the pool), and after a call to it went
-    unanswered (timed out or unreachable; a refusal is an answer), what is sent to it for
-    ``backoff_s`` fails at once: a peer that does not answer (dead, cut off, a stranger's endpoint
-    that never replies) costs one timeout and one of the pool's threads, not one per post, and does
-    not hold back the posts to the peers that answer."""
+    MAX_QUEUED_PER_PEER, taking turns with other peers' in the pool), and after a call to it timed
+    out, what is sent to it for ``backoff_s`` fails at once: a peer that does not answer (cut off, a
+    stranger's endpoint that never replies) costs one timeout and one of the pool's threads, not one
+    per post, and does not hold back the posts to the peers that answer."""
 
     def __init__(self, channels: Channels, traffic: Traffic, threads: int = 4, backoff_s: float = WAKE_BACKOFF_S):
         self.channels, self.traffic, self.backoff_s = channels, traffic, backoff_s
@@ -208,7 +209,7 @@ class WakeSender:
 
     def _next(self, endpoint: str, outcome: str) -> list:
         """Counts the call and submits the endpoint's next post, at the back of the pool's queue (peers take
-        turns). A peer that did not answer is not called for ``backoff_s``: what is queued for it is
+        turns). A peer whose call timed out is not called for ``backoff_s``: what is queued for it is
         returned, dropped (the caller runs their fallbacks)."""
         with self._lock:
             self._pending -= 1

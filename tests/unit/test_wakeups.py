@@ -162,26 +162,33 @@ def test_a_peer_that_does_not_answer_holds_one_call_and_not_the_posts_to_the_oth
         live.channels.close()
 
 
-def test_after_a_failed_call_a_peer_is_not_called_again_for_a_while_and_the_fallback_runs():
+def test_after_a_call_timed_out_a_peer_is_not_called_again_for_a_while_and_the_fallback_runs(monkeypatch):
+    monkeypatch.setattr(wakeups_module, "WAKE_TIMEOUT_S", 0.2)
+    release, entered = threading.Event(), []
+
+    def hold(request, context):
+        entered.append(request.round)
+        release.wait(WAIT_S)
+        return WakeReply()
+
+    stuck = PeerService("stuck", Traffic(), Channels(1 << 16))
+    stuck.Wake = hold
+    server, port = start_server(stuck, "127.0.0.1", 0, 1 << 16)
     channels = Channels(1 << 16)
     sender = WakeSender(channels, Traffic(), backoff_s=WAIT_S)
-    calls, fallbacks = [], []
-    original = sender._send
-
-    def counted(endpoint, *args):
-        calls.append(endpoint)
-        original(endpoint, *args)
-
-    sender._send = counted
+    fallbacks = []
     try:
-        sender.send(["127.0.0.1:1"], WakeRequest(group="g", round=1))  # nothing listens there
-        wait_until(lambda: sender.failed == 1, WAIT_S, "the failed call")
-        sender.send(["127.0.0.1:1"], WakeRequest(group="g", round=2), on_failed=lambda: fallbacks.append(2))
+        sender.wake([f"127.0.0.1:{port}"], "g", 1)
+        wait_until(lambda: sender.failed == 1, WAIT_S, "the call that timed out")
+        sender.send([f"127.0.0.1:{port}"], WakeRequest(group="g", round=2), on_failed=lambda: fallbacks.append(2))
         wait_until(lambda: fallbacks == [2], WAIT_S, "the second post's fallback")
-        assert calls == ["127.0.0.1:1"] and sender.failed == 1 and sender.dropped == 1  # no second call
+        assert entered == [1] and sender.failed == 1 and sender.dropped == 1  # no second call
     finally:
+        release.set()
         sender.close()
         channels.close()
+        server.stop(0)
+        stuck.channels.close()
 
 
 def test_a_refused_post_is_an_answer_and_the_next_wake_goes_through():
