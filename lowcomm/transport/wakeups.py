@@ -42,7 +42,7 @@ MAX_GROUP_CHARS = 256
 MAX_PENDING_WAKES = 256  # wakes queued to send at once; beyond that one is dropped (the poll covers it)
 MAX_QUEUED_PER_PEER = 16  # of those, waiting for one peer while a call to it is in flight
 WAKE_BACKOFF_S = 2.0  # after a call to a peer timed out, what is sent to it this long fails at once (POSTED_DHT_POLL_S)
-FAILED_PEERS_KEPT = 1024  # the peers whose last failed call is remembered
+FAILED_PEERS_KEPT = 1024  # the peers whose last timed-out call is remembered
 # a call that held a thread for all of WAKE_TIMEOUT_S; a refusal is an answer, and a refused connection (UNAVAILABLE)
 # costs no wait and may be a busy peer's, so neither starts the backoff
 _UNREACHED = (grpc.StatusCode.DEADLINE_EXCEEDED,)
@@ -136,7 +136,7 @@ class WakeSender:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="wake")
         self._lock = threading.Lock()
         self._queues: dict[str, deque] = {}  # endpoint -> what waits for its call in flight
-        self._failed_at: OrderedDict[str, float] = OrderedDict()  # endpoint -> when a call to it last failed
+        self._failed_at: OrderedDict[str, float] = OrderedDict()  # endpoint -> when a call to it last timed out
         self._pending = 0  # queued or in flight, bounded by MAX_PENDING_WAKES
         self._closed = False
         self.sent = self.failed = self.dropped = 0  # dropped: never sent (the bounds, or the backoff)
