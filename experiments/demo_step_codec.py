@@ -25,7 +25,6 @@ import torch
 
 from lowcomm.algorithms.demo import DemoConfig, DemoState, compress_all
 from lowcomm.algorithms.demo_replica import combiner
-from lowcomm.collectives.combiners import _bundle
 from lowcomm.config import default_config
 from lowcomm.models.factory import build_model
 
@@ -55,8 +54,8 @@ def main() -> None:
         for w in range(PEERS):
             bundle.accept(parts[w][0], bounds[0])
         t2 = time.perf_counter()
-        shards = [bundle.finish(_bundle((f"p{w}".encode(), parts[w][j]) for w in range(PEERS)), b)
-                  for j, b in enumerate(bounds)]
+        shards = [bundle.finish(bundle.close({f"p{w}": ((parts[w][j], None), 1.0) for w in range(PEERS)}, b), b)
+                  for j, b in enumerate(bounds)]  # the owners' bundles, as SparseBundle.close writes them
         t3 = time.perf_counter()
         return (t1 - t0) / PEERS, t2 - t1, t3 - t2, torch.cat(shards)
 

@@ -34,4 +34,3 @@ def test_blockings_with_more_entries_than_the_bound_are_not_held():
     assert torch.equal(big.flat_indices(torch.zeros(big.num_blocks, 1, dtype=torch.int64)),
                        torch.arange(1 << 17))
     assert chunking._cached_offsets.cache_info().currsize == 0
-

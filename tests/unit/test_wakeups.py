@@ -1,10 +1,11 @@
 """Wakes (transport.wakeups) are hints: kept only for a round somebody watches, each ends one wait,
 and a flood of them ends waits no more often than MIN_READ_S; a WakeSender reaches live peers and
 only counts a dead one as failed, sends one call at a time to a peer, and does not call a peer again
-for a while after a call to it failed."""
+for a while after a call to it timed out."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -125,10 +126,10 @@ def test_a_post_that_misses_a_peer_runs_its_fallback_once_and_one_that_arrives_n
         service.channels.close()
 
 
-def test_a_peer_that_does_not_answer_holds_one_call_and_not_the_posts_to_the_others(monkeypatch):
-    """With two threads, six posts to a peer whose handler holds every call would have taken both
-    threads and kept the post to the live peer waiting until the stuck peer answered."""
-    monkeypatch.setattr(wakeups_module, "WAKE_TIMEOUT_S", WAIT_S)  # the stuck calls end when the test says
+@contextlib.contextmanager
+def stuck_peer():
+    """A peer whose Wake handler holds every call until the test sets ``release``: (port, release, the
+    rounds of the calls that reached it)."""
     release, entered = threading.Event(), []
 
     def hold(request, context):
@@ -136,59 +137,58 @@ def test_a_peer_that_does_not_answer_holds_one_call_and_not_the_posts_to_the_oth
         release.wait(WAIT_S)
         return WakeReply()
 
-    stuck, live = PeerService("stuck", Traffic(), Channels(1 << 16)), PeerService("live", Traffic(), Channels(1 << 16))
-    stuck.Wake = hold  # before the server binds the handler
-    servers = [start_server(service, "127.0.0.1", 0, 1 << 16) for service in (stuck, live)]
-    (_, stuck_port), (_, live_port) = servers
+    service = PeerService("stuck", Traffic(), Channels(1 << 16))
+    service.Wake = hold  # before the server binds the handler
+    server, port = start_server(service, "127.0.0.1", 0, 1 << 16)
+    try:
+        yield port, release, entered
+    finally:
+        release.set()
+        server.stop(0)
+        service.channels.close()
+
+
+def test_a_peer_that_does_not_answer_holds_one_call_and_not_the_posts_to_the_others(monkeypatch):
+    """With two threads, six posts to a peer whose handler holds every call would have taken both
+    threads and kept the post to the live peer waiting until the stuck peer answered."""
+    monkeypatch.setattr(wakeups_module, "WAKE_TIMEOUT_S", WAIT_S)  # the stuck calls end when the test says
+    live = PeerService("live", Traffic(), Channels(1 << 16))
+    server, live_port = start_server(live, "127.0.0.1", 0, 1 << 16)
     channels = Channels(1 << 16)
     sender = WakeSender(channels, Traffic(), threads=2)
     try:
-        for round_ in range(6):
-            sender.wake([f"127.0.0.1:{stuck_port}"], "g", round_)
-        with live.wakeups.watching("g", 9):
-            sender.wake([f"127.0.0.1:{live_port}"], "g", 9)
-            assert live.wakeups.wait("g", 9, WAIT_S), "the live peer's wake waited behind the stuck peer's"
-        assert entered == [0] and sender.sent == 1  # one call in flight to the stuck peer, the rest queued
-        release.set()
-        wait_until(lambda: sender.sent == 7, WAIT_S, "the stuck peer's queued wakes")
-        assert entered == list(range(6)) and sender.failed == sender.dropped == 0  # in order, one at a time
+        with stuck_peer() as (stuck_port, release, entered):
+            for round_ in range(6):
+                sender.wake([f"127.0.0.1:{stuck_port}"], "g", round_)
+            with live.wakeups.watching("g", 9):
+                sender.wake([f"127.0.0.1:{live_port}"], "g", 9)
+                assert live.wakeups.wait("g", 9, WAIT_S), "the live peer's wake waited behind the stuck peer's"
+            assert entered == [0] and sender.sent == 1  # one call in flight to the stuck peer, the rest queued
+            release.set()
+            wait_until(lambda: sender.sent == 7, WAIT_S, "the stuck peer's queued wakes")
+            assert entered == list(range(6)) and sender.failed == sender.dropped == 0  # in order, one at a time
     finally:
-        release.set()
         sender.close()
         channels.close()
-        for server, _ in servers:
-            server.stop(0)
-        stuck.channels.close()
+        server.stop(0)
         live.channels.close()
 
 
 def test_after_a_call_timed_out_a_peer_is_not_called_again_for_a_while_and_the_fallback_runs(monkeypatch):
     monkeypatch.setattr(wakeups_module, "WAKE_TIMEOUT_S", 0.2)
-    release, entered = threading.Event(), []
-
-    def hold(request, context):
-        entered.append(request.round)
-        release.wait(WAIT_S)
-        return WakeReply()
-
-    stuck = PeerService("stuck", Traffic(), Channels(1 << 16))
-    stuck.Wake = hold
-    server, port = start_server(stuck, "127.0.0.1", 0, 1 << 16)
     channels = Channels(1 << 16)
     sender = WakeSender(channels, Traffic(), backoff_s=WAIT_S)
     fallbacks = []
     try:
-        sender.wake([f"127.0.0.1:{port}"], "g", 1)
-        wait_until(lambda: sender.failed == 1, WAIT_S, "the call that timed out")
-        sender.send([f"127.0.0.1:{port}"], WakeRequest(group="g", round=2), on_failed=lambda: fallbacks.append(2))
-        wait_until(lambda: fallbacks == [2], WAIT_S, "the second post's fallback")
-        assert entered == [1] and sender.failed == 1 and sender.dropped == 1  # no second call
+        with stuck_peer() as (port, _, entered):
+            sender.wake([f"127.0.0.1:{port}"], "g", 1)
+            wait_until(lambda: sender.failed == 1, WAIT_S, "the call that timed out")
+            sender.send([f"127.0.0.1:{port}"], WakeRequest(group="g", round=2), on_failed=lambda: fallbacks.append(2))
+            wait_until(lambda: fallbacks == [2], WAIT_S, "the second post's fallback")
+            assert entered == [1] and sender.failed == 1 and sender.dropped == 1  # no second call
     finally:
-        release.set()
         sender.close()
         channels.close()
-        server.stop(0)
-        stuck.channels.close()
 
 
 def test_a_refused_post_is_an_answer_and_the_next_wake_goes_through():
@@ -222,7 +222,7 @@ def test_a_fallback_without_a_thread_to_run_on_leaves_the_sender_calling(monkeyp
 
     monkeypatch.setattr(wakeups_module, "threading", type("T", (), {"Thread": NoThread, "Lock": threading.Lock}))
     channels = Channels(1 << 16)
-    sender = WakeSender(channels, Traffic(), backoff_s=0.0)
+    sender = WakeSender(channels, Traffic())
     try:
         for round_ in range(3):  # nothing listens there; each post's fallback fails to start
             sender.send(["127.0.0.1:1"], WakeRequest(group="g", round=round_), on_failed=lambda: None)
