@@ -7,7 +7,8 @@ default `[demo]` config. A step per peer is what a training peer's CPU does besi
 backward: ``compress_all`` (δ update, block DCT, top-k, payloads, error feedback), as the owner of one
 of 4 shards ``SparseBundle.accept`` of the 4 members' parts (their validation), and as a member
 ``SparseBundle.finish`` of all 4 shards (decode every member's part, scatter-mean, inverse DCT), which
-gives the aggregate. Each run times ``--steps`` steps after 2 warm-up steps; the table has every run's
+gives the aggregate: its own shard's bundle as it closed it, the 3 others as the other owners wrote
+them. Each run times ``--steps`` steps after 2 warm-up steps; the table has every run's
 mean ms per step and the sha256 of the last aggregate (equal across revisions when they compute the
 same bytes). Compare revisions by running this file of one tree against another's package:
 ``PYTHONPATH=/path/to/worktree python experiments/demo_step_codec.py --out ...``.
@@ -40,7 +41,8 @@ def main() -> None:
     torch.set_num_threads(1)
     params = list(build_model(default_config().model, seed=0).parameters())
     config = DemoConfig()
-    codec, bundle = config.codec(), combiner(config, [tuple(p.shape) for p in params])
+    shapes = [tuple(p.shape) for p in params]
+    codec, bundle, others = config.codec(), combiner(config, shapes), combiner(config, shapes)
     generator = torch.Generator().manual_seed(0)
     grads = [[torch.randn(p.shape, generator=generator) * 0.01 for p in params] for _ in range(PEERS)]
     states = [DemoState.zeros_like([p.detach() for p in params]) for _ in range(PEERS)]
@@ -49,15 +51,17 @@ def main() -> None:
     def step() -> tuple[float, float, float, torch.Tensor]:
         t0 = time.perf_counter()
         payloads = [compress_all(states[w], grads[w], config, codec) for w in range(PEERS)]
-        t1 = time.perf_counter()
+        compressed = time.perf_counter()
         parts = [[bundle.encode(payloads[w], b) for b in bounds] for w in range(PEERS)]
-        for w in range(PEERS):
-            bundle.accept(parts[w][0], bounds[0])
+        received = [others.close({f"p{w}": ((parts[w][j], None), 1.0) for w in range(PEERS)}, b)
+                    for j, b in enumerate(bounds) if j > 0]  # the other owners' bundles (not timed)
+        t1 = time.perf_counter()
+        accepted = {f"p{w}": (bundle.accept(parts[w][0], bounds[0]), 1.0) for w in range(PEERS)}
         t2 = time.perf_counter()
-        shards = [bundle.finish(bundle.close({f"p{w}": ((parts[w][j], None), 1.0) for w in range(PEERS)}, b), b)
-                  for j, b in enumerate(bounds)]  # the owners' bundles, as SparseBundle.close writes them
+        own = bundle.close(accepted, bounds[0])  # this peer owns shard 0
+        shards = [bundle.finish(blob, b) for blob, b in zip([own] + received, bounds)]
         t3 = time.perf_counter()
-        return (t1 - t0) / PEERS, t2 - t1, t3 - t2, torch.cat(shards)
+        return (compressed - t0) / PEERS, t2 - t1, t3 - t2, torch.cat(shards)
 
     rows = []
     for run in range(args.runs):

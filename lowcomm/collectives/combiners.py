@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import math
 import struct
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -34,6 +35,7 @@ from lowcomm.compress import Codec, CodecError, SparseCodec, get_codec
 from lowcomm.compress.finite import all_finite
 
 MAX_SENDER_BYTES = 64
+MAX_CLOSED_HELD = 4  # owners' bundles kept decoded until finished (a round's own shard; another round in flight)
 Contribution = tuple[torch.Tensor, torch.Tensor]  # (flat indices, values) of one sender
 
 
@@ -133,6 +135,9 @@ class SparseBundle:
         # decoders bounded by each parameter's size: a part declaring more is refused before decompressing
         self.decoders = [_bounded(codec, size) for codec, size in zip(self.codecs, self.sizes)]
         self.combine = combine  # the algorithm's rule, e.g. SparseLoCo's clipped scatter-mean
+        # bounds -> (bundle, its parts decoded): what this owner closed, until its own member finishes it
+        self._closed: dict[tuple[int, int], tuple[bytes, list]] = {}
+        self._closed_lock = threading.Lock()
 
     def numel(self, payload: Sequence[bytes]) -> int:
         if len(payload) != len(self.shapes):
@@ -191,7 +196,14 @@ class SparseBundle:
         return indices, values.to(torch.float32)
 
     def close(self, items: dict[str, tuple[object, float]], bounds: tuple[int, int]) -> bytes:
-        return _bundle((sender.encode(), items[sender][0][0]) for sender in sorted(items))
+        """The owner's bundle; the parts it decoded on arrival are kept for its own ``finish`` of it."""
+        senders = sorted(items)
+        blob = _bundle((sender.encode(), items[sender][0][0]) for sender in senders)
+        with self._closed_lock:
+            if len(self._closed) >= MAX_CLOSED_HELD:
+                self._closed.pop(next(iter(self._closed)))
+            self._closed[bounds] = (blob, [items[sender][0][1] for sender in senders])
+        return blob
 
     def reply_for(self, blob: bytes, recipient: str) -> bytes:
         """The bundle as sent to ``recipient``: its own part left out (it holds those bytes)."""
@@ -217,11 +229,16 @@ class SparseBundle:
 
     def finish(self, blob: bytes, bounds: tuple[int, int]) -> torch.Tensor:
         """The shard's aggregate: per parameter, the (clipped) scatter-mean of the contributors."""
-        parts = []
-        for sender, part in _entries(blob):
-            if part is None:
-                raise ContributionRejected(f"bundle: part of {sender[:40]!r} left out")
-            parts.append(self.accept(part, bounds)[1])
+        with self._closed_lock:
+            closed = self._closed.pop(tuple(bounds), None)
+        if closed is not None and (closed[0] is blob or closed[0] == blob):
+            parts = closed[1]  # this owner's own bundle: decoded and checked as its parts arrived
+        else:
+            parts = []
+            for sender, part in _entries(blob):
+                if part is None:
+                    raise ContributionRejected(f"bundle: part of {sender[:40]!r} left out")
+                parts.append(self.accept(part, bounds)[1])
         values = []
         for k, i in enumerate(self._params(bounds)):
             contributions = [part[k] for part in parts]

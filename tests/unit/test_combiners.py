@@ -10,7 +10,7 @@ import torch
 
 from lowcomm.algorithms.sparseloco import SparseLoCoConfig, SparseLoCoState, compress_all, median_norm_clip
 from lowcomm.algorithms.sparseloco_replica import combiner as sparseloco_combiner
-from lowcomm.collectives.combiners import DenseMean
+from lowcomm.collectives.combiners import MAX_CLOSED_HELD, DenseMean
 from lowcomm.collectives.reduce_owner import ContributionRejected
 from lowcomm.compress import scatter_mean
 
@@ -59,6 +59,38 @@ def test_bundle_round_trip_equals_the_clipped_scatter_mean_of_every_sender():
         reply = bundle.close(items, bounds)
         got.append(bundle.finish(reply, bounds))
     assert torch.equal(torch.cat(got), torch.cat(expected))
+
+
+def test_an_owner_finishes_its_own_bundle_from_the_parts_it_decoded_and_any_other_bytes_anew():
+    config = SparseLoCoConfig(topk=8)
+    bundle, fresh = sparseloco_combiner(config, SHAPES), sparseloco_combiner(config, SHAPES)
+    bounds = bundle.shard_bounds(1, sum(math.prod(s) for s in SHAPES))[0]
+    parts = {f"peer-{i}": bundle.encode(payloads(i, config)[0], bounds) for i in range(3)}
+    whole = bundle.close({name: (bundle.accept(part, bounds), 1.0) for name, part in parts.items()}, bounds)
+    decoded = fresh.finish(whole, bounds)  # nothing closed there: every part decoded from the bytes
+    read, accept = [], bundle.accept
+    bundle.accept = lambda blob, b: read.append(blob) or accept(blob, b)
+    assert torch.equal(bundle.finish(whole, bounds), decoded) and read == []
+    assert torch.equal(bundle.finish(whole, bounds), decoded)  # the kept parts went with the first finish
+    assert sorted(read) == sorted(parts.values())
+    # other bytes for the same shard (a held copy from another owner) are read as they are
+    bundle.close({name: (accept(part, bounds), 1.0) for name, part in parts.items()}, bounds)
+    two = fresh.close({name: (fresh.accept(parts[name], bounds), 1.0) for name in ("peer-0", "peer-1")}, bounds)
+    assert torch.equal(bundle.finish(two, bounds), fresh.finish(two, bounds))
+    with pytest.raises(ContributionRejected, match="left out"):
+        bundle.close({name: (accept(part, bounds), 1.0) for name, part in parts.items()}, bounds)
+        bundle.finish(bundle.reply_for(whole, "peer-0"), bounds)
+
+
+def test_the_bundles_kept_decoded_are_bounded():
+    config = SparseLoCoConfig(topk=8)
+    bundle = sparseloco_combiner(config, SHAPES)
+    numel = sum(math.prod(s) for s in SHAPES)
+    part = bundle.encode(payloads(0, config)[0], (0, numel))
+    for owners in range(1, 3 * MAX_CLOSED_HELD):  # a new shard's bounds each time, none finished
+        bounds = (0, numel - owners)  # bounds are only a key here
+        bundle.close({"a": (bundle.accept(part, (0, numel)), 1.0)}, bounds)
+    assert len(bundle._closed) == MAX_CLOSED_HELD
 
 
 def test_bundle_rejects_malformed_parts_and_replies():
