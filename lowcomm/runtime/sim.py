@@ -199,7 +199,7 @@ class Simulation(NamespaceMode):
                    file=sys.stderr)
         deadline = time.monotonic() + timeout
         try:
-            while any(p.popen.poll() is None for p in peers):
+            while running := [p for p in peers if p.popen.poll() is None]:
                 if time.monotonic() > deadline:
                     raise SimulationError(f"peers still running after {timeout:.0f}s; see {self.run_dir / 'logs'}")
                 records = self.records()
@@ -209,7 +209,13 @@ class Simulation(NamespaceMode):
                 self.sample_wire()
                 if min(done, total) > bar.n:
                     bar.update(min(done, total) - bar.n)
-                time.sleep(0.2 if churn is not None else 1.0)
+                if churn is not None:
+                    time.sleep(0.2)
+                else:  # back at once when a peer exits (the last one ends the run), else in a second
+                    try:
+                        running[0].popen.wait(timeout=1.0)
+                    except subprocess.TimeoutExpired:
+                        pass
             bar.update(max(0, total - bar.n))
         finally:
             bar.close()
