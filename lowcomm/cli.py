@@ -101,7 +101,6 @@ def _add_peer(sub) -> None:
     join.add_argument("--fault", help=argparse.SUPPRESS)
     join.add_argument("--byzantine", metavar="KIND", help=argparse.SUPPRESS)  # runtime.byzantine
     join.add_argument("--start-file", type=Path, help=argparse.SUPPRESS)
-    join.add_argument("--initial", action="store_const", const=True, help=argparse.SUPPRESS)  # simulate's first peers
     join.add_argument("--key-file", type=Path, metavar="PATH", help="this peer's key, made there if missing: a stable "
                       "peer id, which allowlist and token runs need (default: a new key and id at every start)")
     join.add_argument("--token", help="token runs: the join token the run owner printed for this peer's id")

@@ -2,9 +2,9 @@
 
 The record (transport.control.PeerRecord) says where the peer listens, what it does (`parked`,
 `joining`, `training`, `leaving`), its round, step and throughput; ``fill(record)`` (the owner's
-callback) refreshes the numbers before each publication. Every STATS_EVERY-th heartbeat, and the
-first ones of STATS_RAMP, also publish the stats its records add up to (runtime.peer_stats), under
-their own key, for status pages. A record expires `sync.record_ttl_s`
+callback) refreshes the numbers before each publication. Every STATS_EVERY-th heartbeat also
+publishes the stats its records add up to (runtime.peer_stats), under their own key, for status
+pages. A record expires `sync.record_ttl_s`
 after its last heartbeat, so a killed peer vanishes by itself; a peer that leaves expires it at
 once and withdraws the round it announced ahead, so that round's leader need not wait for it.
 
@@ -29,12 +29,6 @@ from lowcomm.transport.control import PeerRecord
 logger = logging.getLogger(__name__)
 START_BARRIER_S = 3600.0
 STATS_EVERY = 15  # heartbeats between two publications of the stats (30 s at the default heartbeat_s)
-STATS_RAMP = (1, 2, 4, 8)  # ... and these first beats too: a status page shows a new peer's work within seconds
-
-
-def stats_due(beats: int) -> bool:
-    """Whether the ``beats``-th heartbeat since the start publishes the stats as well."""
-    return beats in STATS_RAMP or beats % STATS_EVERY == 0
 
 
 class Membership:
@@ -58,7 +52,7 @@ class Membership:
             while not self._stop.wait(self.ctx.config.sync.heartbeat_s):
                 self.publish(beat=True)
                 beats += 1
-                if stats_due(beats):
+                if beats % STATS_EVERY == 0:
                     self.publish_stats()
         self.publish()
         self.publish_stats()

@@ -56,7 +56,6 @@ class PeerOptions:
     fault: str | None = None  # a test hook, KIND@ROUND (runtime.faults)
     byzantine: str | None = None  # robustness experiments: lie on the wire as this kind (runtime.byzantine)
     start_file: Path | None = None  # simulate's start barrier: train once this file exists
-    initial: bool = False  # one of a fresh run's first peers, released together: starts from φ_0 at once (simulate)
     link: LinkSpec | None = None  # emulated access link for all data-plane traffic (None: unshaped)
     dht_host: str | None = None  # address the DHT (p2pd) listens on; None: `host`
     stage: int | None = None  # pipelines: the stage to start serving from φ_0 (simulate's initial placement)

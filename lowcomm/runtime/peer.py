@@ -153,7 +153,7 @@ class TrainingPeer:
             self.membership.wait_for_start()
             if self.ctx.stop.is_set():
                 return 0  # sent away while parked: never joined
-            if self.ctx.options.initial or not self.state.fetch():  # a fresh run's first peers: φ_0
+            if not self.state.fetch():
                 self.state.publish_snapshot()
             self.membership.set(state="training")
             self.console.say(f"peer {self.ctx.me} training in run {self.ctx.options.run_name} from round "

@@ -71,7 +71,6 @@ class Simulation(NamespaceMode):
     byzantine: dict[int, Kind] = field(default_factory=dict)  # Byzantine members' kinds, by peer index
     peer_flags: dict[int, list[str]] = field(default_factory=dict)  # keys and tokens by index (runtime.sim_admission)
     resume: Path | None = None  # a checkpoint folder the coordinator restarts the swarm from (--resume)
-    resumed: bool = False  # the coordinator restarted from a checkpoint: every peer fetches its state
     slowdown_files: bool = False  # peers read RUN_DIR/slowdown-I (churn's slow action): set by churn_executor
     processes: list[Process] = field(default_factory=list)
     lab: NetnsLab | None = None  # namespace mode: opened by open_lab() (or the first process), closed by close()
@@ -110,7 +109,6 @@ class Simulation(NamespaceMode):
             args += ["--dht-host", node.control_address]
         if resume is not None:
             args += ["--resume", str(resume)]
-        self.resumed = resume is not None
         self.coordinator = spawn("coordinator", args, self.run_dir, node)
         self.processes.append(self.coordinator)
         self.info = wait_for_file(ready, self.coordinator, timeout=120)
@@ -168,8 +166,6 @@ class Simulation(NamespaceMode):
         if self.config.pipelined and index < self.peers:  # the initial placement; joiners pick their stage
             stage = (self.stage_of or {}).get(index, index % self.config.pipeline.stages)
             args += ["--stage", str(stage)]
-        elif index < self.peers and start_file == self.start_file and not self.resumed:
-            args += ["--initial"]  # released with the others at the run's start: no state to look for
         if self.slowdown_files:
             args += ["--slowdown-file", str(self.run_dir / f"slowdown-{index}")]
         if self.slowdowns.get(index, 1.0) != 1.0:

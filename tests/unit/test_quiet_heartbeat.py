@@ -1,6 +1,6 @@
 """A quiet peer's heartbeat (runtime.membership): it stores its DHT record only when a field others act on
 changed or half the record's lifetime passed; a stage peer's (not quiet) stores at every beat, and a
-state change is stored at once either way. The stats go out at the first beats, then seldom."""
+state change is stored at once either way."""
 
 from __future__ import annotations
 
@@ -58,9 +58,3 @@ def test_a_stage_peers_heartbeat_stores_every_beat(monkeypatch):
         clock.now += 2.0
         member.publish(beat=True)
     assert len(stored) == 3
-
-
-def test_the_stats_go_out_at_the_first_beats_then_every_stats_every():
-    due = [beats for beats in range(1, 3 * membership.STATS_EVERY + 1) if membership.stats_due(beats)]
-    every = membership.STATS_EVERY
-    assert due == [1, 2, 4, 8, every, 2 * every, 3 * every]
