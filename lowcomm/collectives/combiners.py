@@ -199,10 +199,12 @@ class SparseBundle:
         """The owner's bundle; the parts it decoded on arrival are kept for its own ``finish`` of it."""
         senders = sorted(items)
         blob = _bundle((sender.encode(), items[sender][0][0]) for sender in senders)
-        with self._closed_lock:
-            if len(self._closed) >= MAX_CLOSED_HELD:
-                self._closed.pop(next(iter(self._closed)))
-            self._closed[bounds] = (blob, [items[sender][0][1] for sender in senders])
+        parts = [items[sender][0][1] for sender in senders]
+        if all(part is not None for part in parts):
+            with self._closed_lock:
+                if len(self._closed) >= MAX_CLOSED_HELD:
+                    self._closed.pop(next(iter(self._closed)))
+                self._closed[tuple(bounds)] = (blob, parts)
         return blob
 
     def reply_for(self, blob: bytes, recipient: str) -> bytes:
@@ -230,8 +232,12 @@ class SparseBundle:
     def finish(self, blob: bytes, bounds: tuple[int, int]) -> torch.Tensor:
         """The shard's aggregate: per parameter, the (clipped) scatter-mean of the contributors."""
         with self._closed_lock:
-            closed = self._closed.pop(tuple(bounds), None)
-        if closed is not None and (closed[0] is blob or closed[0] == blob):
+            closed = self._closed.get(tuple(bounds))
+            if closed is not None and (closed[0] is blob or closed[0] == blob):
+                del self._closed[tuple(bounds)]
+            else:
+                closed = None
+        if closed is not None:
             parts = closed[1]  # this owner's own bundle: decoded and checked as its parts arrived
         else:
             parts = []

@@ -207,7 +207,7 @@ class Simulation(NamespaceMode):
                     bar.update(min(done, total) - bar.n)
                 if churn is not None:
                     time.sleep(0.2)
-                else:  # back at once when a peer exits (the last one ends the run), else in a second
+                else:  # back when the first running peer exits (the last one ends the run) or in a second
                     try:
                         running[0].popen.wait(timeout=1.0)
                     except subprocess.TimeoutExpired:

@@ -73,13 +73,18 @@ def test_an_owner_finishes_its_own_bundle_from_the_parts_it_decoded_and_any_othe
     assert torch.equal(bundle.finish(whole, bounds), decoded) and read == []
     assert torch.equal(bundle.finish(whole, bounds), decoded)  # the kept parts went with the first finish
     assert sorted(read) == sorted(parts.values())
-    # other bytes for the same shard (a held copy from another owner) are read as they are
+    # other bytes for the same shard (a held copy from another owner) are read as they are, and the
+    # owner's own bundle is still finished from its parts after them
     bundle.close({name: (accept(part, bounds), 1.0) for name, part in parts.items()}, bounds)
     two = fresh.close({name: (fresh.accept(parts[name], bounds), 1.0) for name in ("peer-0", "peer-1")}, bounds)
-    assert torch.equal(bundle.finish(two, bounds), fresh.finish(two, bounds))
+    read.clear()
+    assert torch.equal(bundle.finish(two, bounds), fresh.finish(two, bounds)) and len(read) == 2
     with pytest.raises(ContributionRejected, match="left out"):
-        bundle.close({name: (accept(part, bounds), 1.0) for name, part in parts.items()}, bounds)
         bundle.finish(bundle.reply_for(whole, "peer-0"), bounds)
+    assert torch.equal(bundle.finish(whole, bounds), decoded) and len(read) == 2
+    # parts closed undecoded (bytes only) are not kept: the bundle is decoded when finished
+    bundle.close({name: ((part, None), 1.0) for name, part in parts.items()}, bounds)
+    assert torch.equal(bundle.finish(whole, bounds), decoded) and len(read) == 5
 
 
 def test_the_bundles_kept_decoded_are_bounded():
