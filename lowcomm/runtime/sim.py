@@ -205,13 +205,10 @@ class Simulation(NamespaceMode):
                 self.sample_wire()
                 if min(done, total) > bar.n:
                     bar.update(min(done, total) - bar.n)
-                if churn is not None:
-                    time.sleep(0.2)
-                else:  # back when the first running peer exits (the last one ends the run) or in a second
-                    try:
-                        running[0].popen.wait(timeout=1.0)
-                    except subprocess.TimeoutExpired:
-                        pass
+                try:  # back when the first running peer exits (the last one ends the run), else at the next check
+                    running[0].popen.wait(timeout=0.2 if churn is not None else 1.0)
+                except subprocess.TimeoutExpired:
+                    pass
             bar.update(max(0, total - bar.n))
         finally:
             bar.close()
