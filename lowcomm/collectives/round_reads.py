@@ -6,6 +6,12 @@ on without a peer, before this peer writes a manifest, a second look at racing m
 outside the round) and otherwise
 once per `Wakes.dht_poll_s`, which also bounds how old the cached live peer records get. Without
 posts every look reads the DHT.
+
+A read of the live peer records that lacks this peer's own record, after one that held it, missed
+what it asked for: this peer is alive and stores its record every few seconds, so the DHT's nodes
+did not answer, or its stores did not land. Such a read says nothing about who else is live, so the
+last view that held this peer's record stays (docs/round-protocol.md, Decision 44) and the read is
+counted (``thin_reads``; a `thin_read` event when a run of them starts).
 """
 
 from __future__ import annotations
@@ -19,9 +25,13 @@ from lowcomm.transport.wakeups import Wakes
 
 
 class RoundReads:
-    def __init__(self, control: ControlPlane, wakes: Wakes):
+    def __init__(self, control: ControlPlane, wakes: Wakes, on_event=None):
         self.control, self.wakes = control, wakes
+        self.on_event = on_event or (lambda kind, **fields: None)
+        self.me = control.identity.peer_id
         self._records: tuple[float, dict[str, PeerRecord]] = (float("-inf"), {})  # (read at, live records)
+        self.thin_reads = 0  # reads without this peer's own record, whose last view with it was kept
+        self._thin = False  # whether the latest read was one
 
     def announcers(self, group: str, round_: int, fresh: bool = False) -> dict[str, dict]:
         """peer -> its announcement of the round, the furthest along of its posted and stored ones;
@@ -76,5 +86,17 @@ class RoundReads:
         ``cached``: the last ones read, whatever their age (read now only if none were)."""
         age = time.monotonic() - self._records[0]
         if age >= max(self.wakes.poll_s, self.wakes.dht_poll_s) and not (cached and age < float("inf")):
-            self._records = (time.monotonic(), self.control.live_peers())
+            self._records = (time.monotonic(), self._complete(self.control.live_peers()))
         return self._records[1]
+
+    def _complete(self, read: dict[str, PeerRecord]) -> dict[str, PeerRecord]:
+        """``read``, or the last view if ``read`` lost this peer's own record (the module says why)."""
+        last = self._records[1]
+        if self.me in read or self.me not in last:
+            self._thin = False
+            return read
+        if not self._thin:
+            self.on_event("thin_read", seen=sorted(read), kept=sorted(last))
+        self._thin = True
+        self.thin_reads += 1
+        return last

@@ -10,10 +10,11 @@ to them (``DHTProtocol.call_store``), exactly as hivemind's store does once its 
 It searches again when it remembers no nodes for the key, when they were found more than
 NEAREST_MAX_AGE_S ago (nodes that joined since may be nearer), when a search found fewer than
 ``num_replicas`` (a DHT still filling: nothing is remembered then), and when one of them did not
-answer: that store then goes through hivemind's own store. Reads are hivemind's (merged from every
-node that holds the key): a node that missed stores while it was cut off would answer with records
-that have expired since (Decision 40). These functions run in the DHT's process
-(``hivemind.DHT.run_coroutine``); what they remember lives there.
+answer: that store then goes through hivemind's own store too, which the caller waits for only if no
+node took the record (Decision 44: a heartbeat held up by it let the peer's record expire). Reads are
+hivemind's (merged from every node that holds the key): a node that missed stores while it was cut
+off would answer with records that have expired since (Decision 40). These functions run in the
+DHT's process (``hivemind.DHT.run_coroutine``); what they remember lives there.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ DIRECT_CALL_S = 2.0  # a remembered node that has not answered a store by then c
 MAX_KEYS = 256  # keys whose nearest nodes are remembered (the oldest are forgotten first)
 
 _nearest: dict[DHTID, tuple[float, dict]] = {}  # key id -> (found at, {node id: peer id}), in the DHT's process
+_background: dict[DHTID, asyncio.Task] = {}  # key id -> hivemind's store of it, run without waiting (_in_background)
 
 
 async def store(_dht, node: DHTNode, key: str, subkey: bytes, value, expiration: float) -> tuple[bool, bool]:
@@ -43,11 +45,27 @@ async def store(_dht, node: DHTNode, key: str, subkey: bytes, value, expiration:
         found = (await node.find_nearest_nodes([key_id], k_nearest=node.num_replicas)).get(key_id, {})
         remember(key_id, found, full=len(found) >= node.num_replicas)
     results = await _store_to(node, key_id, found, subkey, value, expiration)
-    if not found or None in results:  # a node did not answer: search again, now and next time
-        forget(key_id)
-        ok = await node.store(key, value, expiration, subkey=subkey)
-        return bool(ok), True
-    return any(results), searched
+    if found and None not in results:
+        return any(results), searched
+    forget(key_id)  # a node did not answer (or none was found): the next store searches afresh
+    if True in results:  # it landed: hivemind's store finds a node in the silent one's place meanwhile
+        _in_background(key_id, node.store(key, value, expiration, subkey=subkey))
+        return True, True
+    ok = await node.store(key, value, expiration, subkey=subkey)  # it landed nowhere: a search, now
+    return bool(ok), True
+
+
+def _in_background(key_id: DHTID, store_call) -> None:
+    """Runs ``store_call`` (hivemind's store of a record some nodes took) without waiting for it: at most
+    one per key and MAX_KEYS in all (another is dropped: the key's next store searches anyway)."""
+    for done in [k for k, task in _background.items() if task.done()]:
+        del _background[done]
+    if key_id in _background or len(_background) >= MAX_KEYS:
+        store_call.close()
+        return
+    task = asyncio.get_running_loop().create_task(store_call)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # its failure is the next store's search
+    _background[key_id] = task
 
 
 def nearest(key_id: DHTID) -> dict:
