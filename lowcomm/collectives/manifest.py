@@ -76,7 +76,7 @@ class ManifestAgreement:
         # state and round then): not waited for while it stays silent (_silent)
         self._endpoints: dict[str, dict[str, str]] = {}  # group -> the newest followed manifest's endpoints
         self.refused_writers = 0
-        self.reads = RoundReads(control, self.wakes, self.on_event)  # the round's records: posted, and the DHT's
+        self.reads = RoundReads(control, self.wakes, self.on_event, sync.record_ttl_s)  # posted records, and the DHT's
 
     # ---- which writers count --------------------------------------------------------------------
 

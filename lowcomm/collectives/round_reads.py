@@ -8,10 +8,12 @@ once per `Wakes.dht_poll_s`, which also bounds how old the cached live peer reco
 posts every look reads the DHT.
 
 A read of the live peer records that lacks this peer's own record, after one that held it, missed
-what it asked for: this peer is alive and stores its record every few seconds, so the DHT's nodes
-did not answer, or its stores did not land. Such a read says nothing about who else is live, so the
-last view that held this peer's record stays (docs/round-protocol.md, Decision 44) and the read is
-counted (``thin_reads``; a `thin_read` event when a run of them starts).
+what it asked for: the records a read returns are held until they expire (transport.held_records),
+so this peer's own stores have not landed for a record's life, or the nodes that hold them do not
+answer, while this peer is alive. The peers such a read lacks may be as live as this one, so for
+up to ``keep_s`` after the last read that held this peer's record, they stay as that read had them
+(docs/round-protocol.md, Decision 44); what the read has is taken. Each such read is counted
+(``own_record_missing``; an `own_record_missing` event when a run of them starts).
 """
 
 from __future__ import annotations
@@ -25,13 +27,16 @@ from lowcomm.transport.wakeups import Wakes
 
 
 class RoundReads:
-    def __init__(self, control: ControlPlane, wakes: Wakes, on_event=None):
-        self.control, self.wakes = control, wakes
+    def __init__(self, control: ControlPlane, wakes: Wakes, on_event=None, keep_s: float = 10.0):
+        """``keep_s``: how long after the last read that held this peer's own record the peers it had
+        stay in the view while reads lack this peer's record (the module says why)."""
+        self.control, self.wakes, self.keep_s = control, wakes, keep_s
         self.on_event = on_event or (lambda kind, **fields: None)
         self.me = control.identity.peer_id
         self._records: tuple[float, dict[str, PeerRecord]] = (float("-inf"), {})  # (read at, live records)
-        self.thin_reads = 0  # reads without this peer's own record, whose last view with it was kept
-        self._thin = False  # whether the latest read was one
+        self._whole: tuple[float, dict[str, PeerRecord]] = (float("-inf"), {})  # the last read with this peer's
+        self.own_record_missing = 0  # reads without this peer's own record
+        self._missing = False  # whether the latest read was one
 
     def announcers(self, group: str, round_: int, fresh: bool = False) -> dict[str, dict]:
         """peer -> its announcement of the round, the furthest along of its posted and stored ones;
@@ -90,13 +95,17 @@ class RoundReads:
         return self._records[1]
 
     def _complete(self, read: dict[str, PeerRecord]) -> dict[str, PeerRecord]:
-        """``read``, or the last view if ``read`` lost this peer's own record (the module says why)."""
-        last = self._records[1]
-        if self.me in read or self.me not in last:
-            self._thin = False
+        """``read``, with the peers it lacks from the last read that held this peer's own record if ``read``
+        lost it within ``keep_s`` of that one (the module says why)."""
+        now = time.monotonic()
+        if self.me in read:
+            self._whole, self._missing = (now, read), False
             return read
-        if not self._thin:
-            self.on_event("thin_read", seen=sorted(read), kept=sorted(last))
-        self._thin = True
-        self.thin_reads += 1
-        return last
+        at, whole = self._whole
+        if self.me not in whole or now - at > self.keep_s:
+            return read
+        if not self._missing:
+            self.on_event("own_record_missing", seen=sorted(read), kept=sorted(whole.keys() - read.keys()))
+        self._missing = True
+        self.own_record_missing += 1
+        return {**whole, **read}

@@ -9,9 +9,12 @@ to them (``DHTProtocol.call_store``), exactly as hivemind's store does once its 
 
 It searches again when it remembers no nodes for the key, when they were found more than
 NEAREST_MAX_AGE_S ago (nodes that joined since may be nearer), when a search found fewer than
-``num_replicas`` (a DHT still filling: nothing is remembered then), and when one of them did not
-answer: that store then goes through hivemind's own store too, which the caller waits for only if no
-node took the record (Decision 44: a heartbeat held up by it let the peer's record expire). Reads are
+``num_replicas`` (a DHT still filling: nothing is remembered then), and when none of them answered
+(hivemind's store then runs, and the caller waits for it). When some of them took the record and one
+did not answer within DIRECT_CALL_S, the store returns: the nodes remembered for the key narrow to
+those that answered (until NEAREST_MAX_AGE_S), and hivemind's store, whose search finds a node in the
+silent one's place, runs in the DHT's process meanwhile (Decision 44: a heartbeat held up by it can
+let the peer's record expire). Reads are
 hivemind's (merged from every node that holds the key): a node that missed stores while it was cut
 off would answer with records that have expired since (Decision 40). These functions run in the
 DHT's process (``hivemind.DHT.run_coroutine``); what they remember lives there.
@@ -47,24 +50,28 @@ async def store(_dht, node: DHTNode, key: str, subkey: bytes, value, expiration:
     results = await _store_to(node, key_id, found, subkey, value, expiration)
     if found and None not in results:
         return any(results), searched
-    forget(key_id)  # a node did not answer (or none was found): the next store searches afresh
-    if True in results:  # it landed: hivemind's store finds a node in the silent one's place meanwhile
+    if True in results:  # it landed; hivemind's store finds a node in the silent one's place meanwhile
+        keep(key_id, {n: p for (n, p), result in zip(found.items(), results) if result is not None})
         _in_background(key_id, node.store(key, value, expiration, subkey=subkey))
         return True, True
-    ok = await node.store(key, value, expiration, subkey=subkey)  # it landed nowhere: a search, now
+    forget(key_id)  # it landed nowhere (or no node was found): a search, now and at the next store
+    ok = await node.store(key, value, expiration, subkey=subkey)
     return bool(ok), True
 
 
 def _in_background(key_id: DHTID, store_call) -> None:
-    """Runs ``store_call`` (hivemind's store of a record some nodes took) without waiting for it: at most
-    one per key and MAX_KEYS in all (another is dropped: the key's next store searches anyway)."""
+    """Runs ``store_call`` (hivemind's store of a record some nodes took) without waiting for it: one per
+    key (a newer one replaces it) and MAX_KEYS in all (beyond that it is dropped)."""
     for done in [k for k, task in _background.items() if task.done()]:
         del _background[done]
-    if key_id in _background or len(_background) >= MAX_KEYS:
+    running = _background.pop(key_id, None)
+    if running is not None:
+        running.cancel()
+    if len(_background) >= MAX_KEYS:
         store_call.close()
         return
     task = asyncio.get_running_loop().create_task(store_call)
-    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # its failure is the next store's search
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a failure: the nodes kept still hold it
     _background[key_id] = task
 
 
@@ -76,6 +83,13 @@ def nearest(key_id: DHTID) -> dict:
 
 def forget(key_id: DHTID) -> None:
     _nearest.pop(key_id, None)
+
+
+def keep(key_id: DHTID, answered: dict) -> None:
+    """Narrows the nodes remembered for the key to those that ``answered``, found when they were."""
+    found = _nearest.get(key_id)
+    if found is not None:
+        _nearest[key_id] = (found[0], dict(answered))
 
 
 def remember(key_id: DHTID, nearest: dict, full: bool) -> None:

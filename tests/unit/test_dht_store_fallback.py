@@ -1,7 +1,8 @@
 """A store straight to the nodes remembered for a key (transport.dht_stores) whose record some of them
-took while one did not answer returns at once; hivemind's store, which searches for a node in the
-silent one's place, runs meanwhile (one per key). Only a record that no node took waits for it
-(Decision 44: a heartbeat held up by that store let the peer's record expire). Over a node whose
+took while one did not answer returns once the others answered (the silent one after DIRECT_CALL_S);
+the next store goes to the nodes that answered, and hivemind's store, which searches for a node in
+the silent one's place, runs meanwhile (one per key, the newest). Only a record that no node took
+waits for it (Decision 44: a heartbeat held up by that store let the peer's record expire). Over a node whose
 calls are in-memory; assertions are on results and calls, never on durations."""
 
 from __future__ import annotations
@@ -66,15 +67,19 @@ def store(node: Node):
 def test_a_record_some_nodes_took_returns_while_hivemind_s_store_runs():
     async def run():
         node = Node()
+        key_id = DHTID.generate(source=KEY)
         remember("live", "silent")
-        assert await store(node) == (True, True)  # took by "live"; hivemind's store has not ended
-        assert node.taken == ["live"] and not node.release.is_set()
+        assert await store(node) == (True, True)  # taken by "live"; hivemind's store (a search) not ended
+        assert node.taken == ["live"] and list(dht_stores.nearest(key_id).values()) == ["live"]
         await asyncio.sleep(0)  # the background store starts at the loop's next turn
-        assert node.full_stores == 1 and dht_stores.nearest(DHTID.generate(source=KEY)) == {}
-        remember("live", "silent")  # (as if searched again) a second store of the key while the first runs
+        first = dht_stores._background[key_id]
+        assert node.full_stores == 1 and not first.done()
+        assert await store(node) == (True, False)  # the next store goes to the node that answered
+        assert node.taken == ["live", "live"] and node.full_stores == 1
+        remember("live", "silent")  # (as a later search would) a node silent again, the first store still running
         assert await store(node) == (True, True)
         await asyncio.sleep(0)
-        assert node.full_stores == 1  # one at a time per key
+        assert first.cancelled() and node.full_stores == 2  # the newer record's store replaces it
         node.release.set()
         await asyncio.gather(*dht_stores._background.values())
 

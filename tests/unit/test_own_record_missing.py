@@ -1,16 +1,18 @@
-"""A read of the live peer records without this peer's own record (its DHT's nodes did not answer, or
-its stores did not land) keeps the last view that held it (collectives.round_reads, Decision 44):
-two peers whose reads come back empty still wait for each other and form their round together,
-instead of each taking it alone and failing its quorum. Over test_who_counts' in-memory control
+"""A read of the live peer records without this peer's own record (its stores did not land for a
+record's life) keeps, for a while, the peers of the last read that held it (collectives.round_reads,
+Decision 44): two peers whose reads come back empty still wait for each other and form their round
+together, instead of each taking it alone and failing its quorum. Over test_who_counts' in-memory control
 plane; assertions are on members, events and counts, never on durations."""
 
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 from lowcomm.collectives.base import CollectiveError
 from lowcomm.collectives.config import SyncConfig
 from lowcomm.collectives.manifest import ManifestAgreement
+from lowcomm.collectives import round_reads
 from lowcomm.collectives.round_reads import RoundReads
 from lowcomm.transport.control import PeerRecord
 from lowcomm.transport.round_posts import RoundPosts
@@ -27,22 +29,38 @@ def training(*ids: str, round_: int = 7) -> dict[str, PeerRecord]:
     return {p: PeerRecord(p, f"{p}:1", state="training", round=round_) for p in ids}
 
 
-def test_a_read_without_the_own_record_keeps_the_last_view_that_had_it():
+def test_a_read_without_the_own_record_keeps_the_peers_of_the_last_one_that_had_it():
     live, events = {}, []
-    reads = RoundReads(MemoryControl("a", {}, live), Wakes.polling(0.0), lambda kind, **f: events.append((kind, f)))
+    reads = RoundReads(MemoryControl("a", {}, live), Wakes.polling(0.0), lambda kind, **f: events.append((kind, f)),
+                       keep_s=WAIT_S)
     live.update(training("b"))
     assert set(reads.live()) == {"b"}  # before its first record lands, a read is taken as it is
     live.update(training("a", "b"))
     assert set(reads.live()) == {"a", "b"}
     live.clear()  # the DHT answered nothing
     assert set(reads.live()) == {"a", "b"} and set(reads.live()) == {"a", "b"}
-    live.update(training("b", "c"))  # others' records, still not its own
-    assert set(reads.live()) == {"a", "b"} and reads.thin_reads == 3
-    assert events == [("thin_read", {"seen": [], "kept": ["a", "b"]})]  # one event per run of them
+    live.update(training("c", round_=9), b=PeerRecord("b", "b:1", state="joining", round=9))  # still not its own
+    view = reads.live()
+    assert set(view) == {"a", "b", "c"} and view["b"].state == "joining"  # what the read has is taken
+    assert reads.own_record_missing == 3
+    assert events == [("own_record_missing", {"seen": [], "kept": ["a", "b"]})]  # one event per run of them
     live.update(training("a", "c"))
-    assert set(reads.live()) == {"a", "b", "c"}  # a complete read is taken again
+    assert set(reads.live()) == {"a", "b", "c"}  # a read with its record is taken as it is
     live.clear()
-    assert set(reads.live()) == {"a", "b", "c"} and [kind for kind, _ in events] == ["thin_read"] * 2
+    assert set(reads.live()) == {"a", "b", "c"} and [kind for kind, _ in events] == ["own_record_missing"] * 2
+
+
+def test_the_peers_of_the_last_read_with_the_own_record_are_kept_only_for_keep_s(monkeypatch):
+    clock = SimpleNamespace(now=100.0)
+    monkeypatch.setattr(round_reads, "time", SimpleNamespace(monotonic=lambda: clock.now))
+    live = training("a", "b")
+    reads = RoundReads(MemoryControl("a", {}, live), Wakes.polling(0.0), keep_s=10.0)
+    assert set(reads.live()) == {"a", "b"}
+    live.clear()
+    clock.now = 109.0
+    assert set(reads.live()) == {"a", "b"}
+    clock.now = 111.0  # more than keep_s after the last read with its own record
+    assert reads.live() == {} and reads.own_record_missing == 1
 
 
 class SignalledDelivery(Delivery):
@@ -100,4 +118,4 @@ def test_two_peers_whose_reads_come_back_empty_still_form_their_rounds_together(
     second.join(WAIT_S)
     assert results == {(p, r): [a, b] for p in (a, b) for r in (7, 8)}
     for p in (a, b):
-        assert "thin_read" in events[p] and "timeout" not in events[p], events[p]
+        assert "own_record_missing" in events[p] and "timeout" not in events[p], events[p]
