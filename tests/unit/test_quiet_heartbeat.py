@@ -1,9 +1,11 @@
 """A quiet peer's heartbeat (runtime.membership): it stores its DHT record only when a field others act on
 changed or half the record's lifetime passed; a stage peer's (not quiet) stores at every beat, and a
-state change is stored at once either way."""
+state change is stored at once either way. A stats store that does not return never holds up the
+record's refresh."""
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 from lowcomm.runtime import membership
@@ -58,3 +60,25 @@ def test_a_stage_peers_heartbeat_stores_every_beat(monkeypatch):
         clock.now += 2.0
         member.publish(beat=True)
     assert len(stored) == 3
+
+
+def test_a_stats_store_that_does_not_return_never_holds_up_the_record(monkeypatch):
+    monkeypatch.setattr(membership, "STATS_EVERY", 1)
+    held, beats, stored = threading.Event(), threading.Event(), []
+
+    def publish_peer(record, ttl):
+        stored.append(record.round)
+        if len(stored) >= 3:
+            beats.set()
+
+    ctx = SimpleNamespace(config=SimpleNamespace(sync=SimpleNamespace(heartbeat_s=0.01, record_ttl_s=10.0)),
+                          control=SimpleNamespace(publish_peer=publish_peer, publish_stats=lambda stats, ttl: held.wait()),
+                          stats=SimpleNamespace(summary=dict), options=SimpleNamespace(token=None, link=None),
+                          log=SimpleNamespace(event=lambda *a, **k: None))
+    member = Membership(ctx, PeerRecord("p", "10.0.0.1:5000", state="training"))
+    threading.Thread(target=member.start_heartbeat, daemon=True).start()
+    try:
+        assert beats.wait(60.0)  # the record's stores go on while the stats store is held
+    finally:
+        member._stop.set()
+        held.set()
