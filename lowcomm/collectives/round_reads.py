@@ -11,9 +11,11 @@ A read of the live peer records that lacks this peer's own record, after one tha
 what it asked for: the records a read returns are held until they expire (transport.held_records),
 so this peer's own stores have not landed for a record's life, or the nodes that hold them do not
 answer, while this peer is alive. The peers such a read lacks may be as live as this one, so for
-up to ``keep_s`` after the last read that held this peer's record, they stay as that read had them
-(docs/round-protocol.md, Decision 44); what the read has is taken. Each such read is counted
-(``own_record_missing``; an `own_record_missing` event when a run of them starts).
+up to ``keep_s`` from the first such read, those of the last read that held this peer's record stay
+in the view (not those that were `joining`: a peer taken as resyncing lets this one take a round
+alone); what the read has is taken (docs/round-protocol.md, Decision 44). An `own_record_missing`
+event marks the first such read and, with nothing kept, the first after ``keep_s``; the reads that
+kept peers are counted (``own_record_missing``).
 """
 
 from __future__ import annotations
@@ -28,15 +30,16 @@ from lowcomm.transport.wakeups import Wakes
 
 class RoundReads:
     def __init__(self, control: ControlPlane, wakes: Wakes, on_event=None, keep_s: float = 10.0):
-        """``keep_s``: how long after the last read that held this peer's own record the peers it had
-        stay in the view while reads lack this peer's record (the module says why)."""
+        """``keep_s``: how long from the first read that lacks this peer's own record the peers of the last
+        read that held it stay in the view (the module says why)."""
         self.control, self.wakes, self.keep_s = control, wakes, keep_s
         self.on_event = on_event or (lambda kind, **fields: None)
         self.me = control.identity.peer_id
         self._records: tuple[float, dict[str, PeerRecord]] = (float("-inf"), {})  # (read at, live records)
-        self._whole: tuple[float, dict[str, PeerRecord]] = (float("-inf"), {})  # the last read with this peer's
-        self.own_record_missing = 0  # reads without this peer's own record
-        self._missing = False  # whether the latest read was one
+        self._whole: dict[str, PeerRecord] = {}  # the last read that held this peer's own record
+        self._missing_since: float | None = None  # the first of the reads since then that lack it
+        self._lapsed = False  # whether keep_s has passed since that one
+        self.own_record_missing = 0  # the reads that lacked this peer's own record and kept peers
 
     def announcers(self, group: str, round_: int, fresh: bool = False) -> dict[str, dict]:
         """peer -> its announcement of the round, the furthest along of its posted and stored ones;
@@ -95,17 +98,22 @@ class RoundReads:
         return self._records[1]
 
     def _complete(self, read: dict[str, PeerRecord]) -> dict[str, PeerRecord]:
-        """``read``, with the peers it lacks from the last read that held this peer's own record if ``read``
-        lost it within ``keep_s`` of that one (the module says why)."""
+        """``read``, with the peers of the last read that held this peer's own record if ``read`` lacks it,
+        for up to ``keep_s`` (the module says why)."""
         now = time.monotonic()
         if self.me in read:
-            self._whole, self._missing = (now, read), False
+            self._whole, self._missing_since, self._lapsed = read, None, False
             return read
-        at, whole = self._whole
-        if self.me not in whole or now - at > self.keep_s:
+        if self.me not in self._whole:
             return read
-        if not self._missing:
-            self.on_event("own_record_missing", seen=sorted(read), kept=sorted(whole.keys() - read.keys()))
-        self._missing = True
+        kept = {p: rec for p, rec in self._whole.items() if p not in read and rec.state != "joining"}
+        if self._missing_since is None:
+            self._missing_since = now
+            self.on_event("own_record_missing", seen=sorted(read), kept=sorted(kept))
+        if now - self._missing_since > self.keep_s:
+            if not self._lapsed:
+                self._lapsed = True
+                self.on_event("own_record_missing", seen=sorted(read), kept=[], after_s=round(self.keep_s, 1))
+            return read
         self.own_record_missing += 1
-        return {**whole, **read}
+        return {**kept, **read}

@@ -9,12 +9,12 @@ to them (``DHTProtocol.call_store``), exactly as hivemind's store does once its 
 
 It searches again when it remembers no nodes for the key, when they were found more than
 NEAREST_MAX_AGE_S ago (nodes that joined since may be nearer), when a search found fewer than
-``num_replicas`` (a DHT still filling: nothing is remembered then), and when none of them answered
-(hivemind's store then runs, and the caller waits for it). When some of them took the record and one
-did not answer within DIRECT_CALL_S, the store returns: the nodes remembered for the key narrow to
-those that answered (until NEAREST_MAX_AGE_S), and hivemind's store, whose search finds a node in the
-silent one's place, runs in the DHT's process meanwhile (Decision 44: a heartbeat held up by it can
-let the peer's record expire). Reads are
+``num_replicas`` (a DHT still filling: nothing is remembered then), and when one of them did not
+answer within DIRECT_CALL_S and no node but this one took the record: hivemind's store then runs, and
+the caller waits for it. When another node took it, the store returns: the nodes remembered for the
+key narrow to those that answered (until NEAREST_MAX_AGE_S), and hivemind's store, whose search finds
+a node in the silent one's place for this record, runs in the DHT's process meanwhile (Decision 44:
+a heartbeat held up by it can let the peer's record expire). Reads are
 hivemind's (merged from every node that holds the key): a node that missed stores while it was cut
 off would answer with records that have expired since (Decision 40). These functions run in the
 DHT's process (``hivemind.DHT.run_coroutine``); what they remember lives there.
@@ -50,28 +50,27 @@ async def store(_dht, node: DHTNode, key: str, subkey: bytes, value, expiration:
     results = await _store_to(node, key_id, found, subkey, value, expiration)
     if found and None not in results:
         return any(results), searched
-    if True in results:  # it landed; hivemind's store finds a node in the silent one's place meanwhile
+    if any(result is True and n != node.node_id for n, result in zip(found, results)):
+        # another node took it: the next stores go to the nodes that answered, while hivemind's store
+        # puts this record on a node in the silent one's place
         keep(key_id, {n: p for (n, p), result in zip(found.items(), results) if result is not None})
         _in_background(key_id, node.store(key, value, expiration, subkey=subkey))
         return True, True
-    forget(key_id)  # it landed nowhere (or no node was found): a search, now and at the next store
+    forget(key_id)  # no other node took it: a search, now and at the next store
     ok = await node.store(key, value, expiration, subkey=subkey)
     return bool(ok), True
 
 
 def _in_background(key_id: DHTID, store_call) -> None:
-    """Runs ``store_call`` (hivemind's store of a record some nodes took) without waiting for it: one per
-    key (a newer one replaces it) and MAX_KEYS in all (beyond that it is dropped)."""
+    """Runs ``store_call`` (hivemind's store of a record another node took) without waiting for it: one
+    per key and MAX_KEYS in all (another is dropped: the nodes that answered took its record)."""
     for done in [k for k, task in _background.items() if task.done()]:
         del _background[done]
-    running = _background.pop(key_id, None)
-    if running is not None:
-        running.cancel()
-    if len(_background) >= MAX_KEYS:
+    if key_id in _background or len(_background) >= MAX_KEYS:
         store_call.close()
         return
     task = asyncio.get_running_loop().create_task(store_call)
-    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a failure: the nodes kept still hold it
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a failure: the nodes kept hold it
     _background[key_id] = task
 
 

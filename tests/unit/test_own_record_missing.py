@@ -47,20 +47,25 @@ def test_a_read_without_the_own_record_keeps_the_peers_of_the_last_one_that_had_
     live.update(training("a", "c"))
     assert set(reads.live()) == {"a", "b", "c"}  # a read with its record is taken as it is
     live.clear()
-    assert set(reads.live()) == {"a", "b", "c"} and [kind for kind, _ in events] == ["own_record_missing"] * 2
+    assert set(reads.live()) == {"a", "c"}  # b, resyncing in the last read with a's record, is not kept
+    assert [kind for kind, _ in events] == ["own_record_missing"] * 2
 
 
-def test_the_peers_of_the_last_read_with_the_own_record_are_kept_only_for_keep_s(monkeypatch):
-    clock = SimpleNamespace(now=100.0)
+def test_the_peers_are_kept_for_keep_s_from_the_first_read_without_the_own_record(monkeypatch):
+    clock, events = SimpleNamespace(now=100.0), []
     monkeypatch.setattr(round_reads, "time", SimpleNamespace(monotonic=lambda: clock.now))
-    live = training("a", "b")
-    reads = RoundReads(MemoryControl("a", {}, live), Wakes.polling(0.0), keep_s=10.0)
-    assert set(reads.live()) == {"a", "b"}
+    live = {**training("a", "b"), "j": PeerRecord("j", "j:1", state="joining", round=7)}
+    reads = RoundReads(MemoryControl("a", {}, live), Wakes.polling(0.0), lambda kind, **f: events.append(f),
+                       keep_s=10.0)
+    assert set(reads.live()) == {"a", "b", "j"}
     live.clear()
-    clock.now = 109.0
+    clock.now = 200.0  # (a round later)
+    assert set(reads.live()) == {"a", "b"}  # a resyncing peer is not kept: it would let a take a round alone
+    clock.now = 210.0
     assert set(reads.live()) == {"a", "b"}
-    clock.now = 111.0  # more than keep_s after the last read with its own record
-    assert reads.live() == {} and reads.own_record_missing == 1
+    clock.now = 210.5  # more than keep_s after the first read without its record
+    assert reads.live() == {} and reads.live() == {} and reads.own_record_missing == 2
+    assert events == [{"seen": [], "kept": ["a", "b"]}, {"seen": [], "kept": [], "after_s": 10.0}]
 
 
 class SignalledDelivery(Delivery):
@@ -92,6 +97,7 @@ def test_two_peers_whose_reads_come_back_empty_still_form_their_rounds_together(
                     signer=s, dht_poll_s=0.0),
         on_event=lambda kind, p=s.peer_id, **f: events[p].append(kind)) for s in signers}
     for agreement in agreements.values():
+        agreement.reads.keep_s = WAIT_S  # (its record_ttl_s is short: the quorum's wait without the keep)
         agreement.learn(GROUP, 6, [a, b])  # round 6 had both
         assert set(agreement.reads.live()) == {a, b}
     live.clear()  # from here every read of the records comes back empty
