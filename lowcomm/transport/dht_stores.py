@@ -14,10 +14,11 @@ answer within DIRECT_CALL_S and no node but this one took the record: hivemind's
 the caller waits for it. When another node took it, the store returns: the nodes remembered for the
 key narrow to those that answered (until NEAREST_MAX_AGE_S), and hivemind's store, whose search finds
 a node in the silent one's place for this record, runs in the DHT's process meanwhile (Decision 44:
-a heartbeat held up by it can let the peer's record expire). Reads are
-hivemind's (merged from every node that holds the key): a node that missed stores while it was cut
-off would answer with records that have expired since (Decision 40). These functions run in the
-DHT's process (``hivemind.DHT.run_coroutine``); what they remember lives there.
+a heartbeat held up by it can let the peer's record expire).
+
+Reads are hivemind's (merged from every node that holds the key): a node that missed stores while it
+was cut off would answer with records that have expired since (Decision 40). These functions run in
+the DHT's process (``hivemind.DHT.run_coroutine``); what they remember lives there.
 """
 
 from __future__ import annotations
