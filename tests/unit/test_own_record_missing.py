@@ -1,18 +1,18 @@
 """A read of the live peer records without this peer's own record (its stores did not land for a
 record's life) keeps, for a while, the peers of the last read that held it (collectives.round_reads,
 Decision 44): two peers whose reads come back empty still wait for each other and form their round
-together, instead of each taking it alone and failing its quorum. Over test_who_counts' in-memory control
-plane; assertions are on members, events and counts, never on durations."""
+together, instead of each taking it alone and failing its quorum. Over test_who_counts' in-memory
+control plane; assertions are on members, events and counts, never on durations."""
 
 from __future__ import annotations
 
 import threading
 from types import SimpleNamespace
 
+from lowcomm.collectives import round_reads
 from lowcomm.collectives.base import CollectiveError
 from lowcomm.collectives.config import SyncConfig
 from lowcomm.collectives.manifest import ManifestAgreement
-from lowcomm.collectives import round_reads
 from lowcomm.collectives.round_reads import RoundReads
 from lowcomm.transport.control import PeerRecord
 from lowcomm.transport.round_posts import RoundPosts

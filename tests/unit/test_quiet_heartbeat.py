@@ -72,7 +72,8 @@ def test_a_stats_store_that_does_not_return_never_holds_up_the_record(monkeypatc
             beats.set()
 
     control = SimpleNamespace(publish_peer=publish_peer, publish_stats=lambda stats, ttl: held.wait())
-    ctx = SimpleNamespace(config=SimpleNamespace(sync=SimpleNamespace(heartbeat_s=0.01, record_ttl_s=10.0)), control=control,
+    sync = SimpleNamespace(heartbeat_s=0.01, record_ttl_s=10.0)
+    ctx = SimpleNamespace(config=SimpleNamespace(sync=sync), control=control,
                           stats=SimpleNamespace(summary=dict), options=SimpleNamespace(token=None, link=None),
                           log=SimpleNamespace(event=lambda *a, **k: None))
     member = Membership(ctx, PeerRecord("p", "10.0.0.1:5000", state="training"))
