@@ -72,8 +72,7 @@ class ManifestAgreement:
         self.me = control.identity.peer_id
         self._known: dict[str, list[tuple[int, frozenset[str]]]] = {}  # group -> (first round, members), by round
         self._refused: set[tuple[str, int, str, str]] = set()  # (group, round, peer, reason) already counted
-        self._missed: dict[str, dict[str, tuple[int, str, int]]] = {}  # group -> peer -> (round missed, its record's
-        # state and round then): not waited for while it stays silent (_silent)
+        self._missed: dict[str, dict[str, tuple[int, str, int]]] = {}  # group -> peer -> round missed, record (_silent)
         self._endpoints: dict[str, dict[str, str]] = {}  # group -> the newest followed manifest's endpoints
         self.refused_writers = 0
         self.reads = RoundReads(control, self.wakes, self.on_event, sync.record_ttl_s)  # posted records, and the DHT's
@@ -83,7 +82,9 @@ class ManifestAgreement:
     def learn(self, group: str, round_: int, members, endpoints: dict[str, str] | None = None) -> None:
         """Remembers the members of the manifest that starts at ``round_``: the next one counts only from
         one of them. A followed manifest is learnt so (with its ``endpoints``: its φ votes go to them); a
-        joiner's first from its anchor (runtime.round_anchor)."""
+        joiner's first from its anchor (runtime.round_anchor). A member this peer missed (_silent) is due again."""
+        missed = self._missed.get(group, {})
+        self._missed[group] = {p: m for p, m in missed.items() if p not in members or m[0] > round_}
         known = [k for k in self._known.get(group, []) if k[0] != round_] + [(round_, frozenset(members))]
         self._known[group] = sorted(known)[-KNOWN_MANIFESTS:]
         if endpoints is not None and round_ >= max(first for first, _ in known):
@@ -204,7 +205,6 @@ class ManifestAgreement:
             return self._agree(group, round_, epoch_rounds, codec, suspects)
 
     def _agree(self, group: str, round_: int, epoch_rounds: int, codec: str, suspects: frozenset[str]) -> Manifest:
-        ttl = self._ttl
         self.announce(group, round_)
         announcers, complete = self._gather(group, round_, suspects)
         candidates = sorted(p for p, info in announcers.items() if not info.get("ahead") and self.admits(p))
@@ -237,7 +237,7 @@ class ManifestAgreement:
                 reached = [p for p in self._members(group, round_, announcers) if not announcers[p].get("ahead")]
                 reason = self.short_of_quorum(group, round_, reached)
                 if reason is None:
-                    self._publish(group, round_, epoch_rounds, codec, announcers, ttl)
+                    self._publish(group, round_, epoch_rounds, codec, announcers, self._ttl)
                     published = True
                     continue  # read it back at once
                 elif short is None:  # the round waits (up to quorum_wait_s) for the others or their records' expiry

@@ -7,7 +7,7 @@ round; its peer is waited for again once its record changes or it posts an annou
 from __future__ import annotations
 
 from lowcomm.collectives.config import SyncConfig
-from lowcomm.collectives.manifest import ManifestAgreement
+from lowcomm.collectives.manifest import Manifest, ManifestAgreement
 from lowcomm.transport.control import PeerRecord
 from lowcomm.transport.round_posts import ANNOUNCE
 from lowcomm.transport.wakeups import Wakes
@@ -51,4 +51,21 @@ def test_a_peer_that_missed_a_round_and_announced_it_late_is_waited_for_again():
     posted = {(ANNOUNCE, GROUP, 5): {"b": {"endpoint": "b:1"}}}  # b's late announcement of round 5
     agreement.wakes.posted = lambda kind, group, round_: posted.get((kind, group, round_), {})
     agreement.agree(GROUP, 6, 1, "fp32")
+    assert [waited_for(events, r) for r in (5, 6)] == [["b"], ["b"]]
+
+
+def test_a_peer_missed_in_a_round_whose_manifest_names_it_is_waited_for_next_round():
+    """A joiner that saw none of a round's announcements still follows the manifest that names every
+    member; its record lagging a heartbeat, each member is due in the next round, not taken as silent."""
+    store = {}
+    live = {"a": PeerRecord("a", "a:1", state="training", round=5),
+            "b": PeerRecord("b", "b:1", state="training", round=5)}  # b's announcements of 5 never reach a
+    writer = MemoryControl("b", store, live)
+    writer.publish_manifest(GROUP, 5, Manifest("run", GROUP, 5, 1, "b", ["a", "b"], {"a": "a:1", "b": "b:1"},
+                                               ["a", "b"], "fp32").to_dict(), 60)
+    events = []
+    agreement = ManifestAgreement(MemoryControl("a", store, live), SYNC, "a:1", wakes=Wakes.polling(0.0),
+                                  on_event=lambda kind, **f: events.append((kind, f)))
+    assert agreement.agree(GROUP, 5, 1, "fp32").members == ["a", "b"]
+    assert agreement.agree(GROUP, 6, 1, "fp32").members == ["a"]  # b never reaches 6 here
     assert [waited_for(events, r) for r in (5, 6)] == [["b"], ["b"]]
