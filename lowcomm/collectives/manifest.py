@@ -294,13 +294,13 @@ class ManifestAgreement:
 
         A peer that only announced ahead (still training towards the round) is waited for up to
         `announce_s` like one that has not announced, but then stays a member, without a shard.
-        A manifest already written ends the wait: the round's membership is settled.
-        A live record that did not announce the last round it was due in is not waited for again while
-        its peer stays silent: its record unchanged (state and round) and no announcement of a round
-        since posted here. A dead peer's record until it expires, a forged one (a sybil's) that is only
-        refreshed and a cut-off peer's from before the cut cost one wait, not one per round; a slow
-        peer's late announcement, or its record's next round, makes it due again.
-        """
+        A manifest already written settles the round: it ends the wait once every due peer announced, or
+        at once if it names this peer (a joiner none of the round's posts reached). A live record that
+        did not announce the last round it was due in is not waited for again while its peer stays
+        silent: its record unchanged (state and round) and no announcement of a round since posted here.
+        A dead peer's record until it expires, a forged one (a sybil's) that is only refreshed and a
+        cut-off peer's from before the cut cost one wait, not one per round; a slow peer's late
+        announcement, its record's next round, or a followed manifest naming it makes it due again."""
         deadline = time.monotonic() + self.sync.announce_s
         missed = self._missed.get(group, {})
         while True:
@@ -315,8 +315,9 @@ class ManifestAgreement:
             due -= silent
             present = {p for p, info in announcers.items() if not info.get("ahead")} | {self.me}
             announced = due <= set(announcers) | {self.me}
-            if due <= present or late or (announced and self._settled(group, round_)):
-                missing = due - set(announcers) - {self.me}
+            settled = self._settled(group, round_) if announced or self.wakes.posted(MANIFEST, group, round_) else None
+            if due <= present or late or (settled is not None and (announced or self.me in settled.members)):
+                missing = due - set(announcers) - {self.me} - set(settled.members if settled else ())
                 if missing:  # a live record that never announced (dead, or late): the round goes on without it
                     self.on_event("timeout", round=round_, stage="announce", missing=sorted(missing))
                 self._missed[group] = {**{p: missed[p] for p in silent - set(announcers)},
@@ -334,10 +335,9 @@ class ManifestAgreement:
         return not any(record.peer_id in self.wakes.posted(ANNOUNCE, group, r)
                        for r in range(max(since, round_ - SILENT_LOOKBACK), round_ + 1))
 
-    def _settled(self, group: str, round_: int) -> bool:
-        """Whether a manifest that counts exists for the round (a stranger's does not end the wait)."""
-        manifests = self.reads.manifests(group, round_)
-        return bool(manifests) and self._pick(manifests, group, round_) is not None
+    def _settled(self, group: str, round_: int) -> Manifest | None:
+        """The round's manifest that counts, if one exists (a stranger's does not end the wait)."""
+        return self._pick(manifests, group, round_) if (manifests := self.reads.manifests(group, round_)) else None
 
     def _members(self, group: str, round_: int, announcers: dict[str, dict]) -> list[str]:
         """The members a manifest of these announcers names: the well-formed ones the run admits."""

@@ -9,12 +9,19 @@ from __future__ import annotations
 from lowcomm.collectives.config import SyncConfig
 from lowcomm.collectives.manifest import Manifest, ManifestAgreement
 from lowcomm.transport.control import PeerRecord
-from lowcomm.transport.round_posts import ANNOUNCE
+from lowcomm.transport.round_posts import ANNOUNCE, MANIFEST
 from lowcomm.transport.wakeups import Wakes
 from unit.test_who_counts import MemoryControl
 
 GROUP = "0-0"
 SYNC = SyncConfig(announce_s=0.2, manifest_s=0.2)
+
+
+class PostedControl(MemoryControl):
+    """Takes the manifests posted to this peer as they are (the real control plane checks their records)."""
+
+    def parse_manifests(self, records):
+        return dict(records)
 
 
 def waited_for(events: list, round_: int) -> list[str]:
@@ -52,6 +59,24 @@ def test_a_peer_that_missed_a_round_and_announced_it_late_is_waited_for_again():
     agreement.wakes.posted = lambda kind, group, round_: posted.get((kind, group, round_), {})
     agreement.agree(GROUP, 6, 1, "fp32")
     assert [waited_for(events, r) for r in (5, 6)] == [["b"], ["b"]]
+
+
+def test_a_posted_manifest_that_names_this_peer_ends_its_wait_on_announcements_it_never_saw():
+    """A joiner none of its first round's announcement posts reached (the others' last reads of the
+    records predate it) goes on once the leader's manifest naming it is posted, and waits for nobody:
+    the members it never heard from are in the manifest."""
+    ids = ["a", "b", "c"]
+    live = {p: PeerRecord(p, f"{p}:1", state="training", round=5) for p in ids}
+    manifest = Manifest("run", GROUP, 5, 1, "b", ids, {p: f"{p}:1" for p in ids}, ids, "fp32").to_dict()
+    events = []
+    agreement = ManifestAgreement(PostedControl("a", {}, live), SYNC, "a:1", wakes=Wakes.polling(0.0),
+                                  on_event=lambda kind, **f: events.append((kind, f)))
+    agreement.wakes.posted = lambda kind, group, round_: {"b": manifest} if (kind, round_) == (MANIFEST, 5) else {}
+    assert agreement.agree(GROUP, 5, 1, "fp32").members == ids
+    assert waited_for(events, 5) == []
+    live["b"] = PeerRecord("b", "b:1", state="training", round=6)
+    agreement.agree(GROUP, 6, 1, "fp32")  # b and c did not announce 6 here: each is waited for once
+    assert waited_for(events, 6) == ["b", "c"]
 
 
 def test_a_peer_missed_in_a_round_whose_manifest_names_it_is_waited_for_next_round():
