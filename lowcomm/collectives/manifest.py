@@ -36,7 +36,8 @@ from typing import Callable
 
 from lowcomm.collectives.base import CollectiveError, NotInRound
 from lowcomm.collectives.config import SyncConfig
-from lowcomm.collectives.manifest_record import Manifest, bounded_fan_in, first_valid  # noqa: F401  (imported from here)
+from lowcomm.collectives.manifest_record import Manifest, bounded_fan_in, first_valid  # noqa: F401 (imported from here)
+from lowcomm.collectives.quorum import short_of_quorum, solo_after_others
 from lowcomm.collectives.round_reads import RoundReads
 from lowcomm.transport.control import ControlPlane, PeerRecord
 from lowcomm.transport.round_posts import ANNOUNCE, MANIFEST, VOTE
@@ -259,34 +260,12 @@ class ManifestAgreement:
         return self.sync.record_ttl_s + self.sync.heartbeat_s + self.sync.manifest_s
 
     def short_of_quorum(self, group: str, round_: int, members) -> str | None:
-        """Why this peer must not write a manifest of ``round_`` whose ``members`` reached it; None if it may.
-        A member known only from its announcement ahead does not count: it may be far behind, or gone.
-
-        The previous manifest's members still training in the DHT (this peer counts) must be a
-        majority among ``members``: a member that left, or that is resyncing (its record `joining`:
-        it comes back through a state download from the others), does not count. A peer that was a
-        member of a previous manifest with others never takes a round alone, unless every other one
-        of them is visibly resyncing (a cut-off peer never sees that: it sees their records as they
-        were, then none). Without ``quorum``, or without a previous manifest, anything goes; when
-        none of the previous members is training any more, the run goes on."""
+        """Why this peer must not write a manifest of ``round_`` whose ``members`` reached it; None if it may
+        (collectives.quorum). Without ``quorum``, or without a previous manifest, anything goes."""
         previous = self.trusted(group, round_)
         if not self.quorum or previous is None:
             return None
-        records = self.reads.live()
-        if self._solo_after_others(previous, members, records):
-            return "this peer alone reached the round, and the previous round had other members"
-        live = {p for p, rec in records.items() if rec.state == "training"} | {self.me}
-        standing = previous & live
-        present = standing & set(members)
-        if standing and 2 * len(present) <= len(standing):
-            return f"{len(present)} of the previous round's {len(standing)} live members reached it, not a majority"
-        return None
-
-    def _solo_after_others(self, previous: frozenset[str], members, records: dict) -> bool:
-        """Whether ``members`` is this peer alone after a round with others that are not all resyncing."""
-        others = previous - {self.me}
-        resyncing = {p for p, rec in records.items() if rec.state == "joining"}
-        return self.me in previous and bool(others - resyncing) and set(members) <= {self.me}
+        return short_of_quorum(self.me, previous, members, self.reads.live())
 
     def _gather(self, group: str, round_: int, suspects: frozenset[str]) -> tuple[dict[str, dict], bool]:
         """Announcers, once every live peer due in this round has reached it or `announce_s` passed, and
@@ -295,7 +274,7 @@ class ManifestAgreement:
         A peer that only announced ahead (still training towards the round) is waited for up to
         `announce_s` like one that has not announced, but then stays a member, without a shard.
         A manifest already written settles the round: it ends the wait once every due peer announced, or
-        at once if it names this peer (a joiner none of the round's posts reached). A live record that
+        at once if one posted here names this peer (a joiner no announcement post reached). A live record that
         did not announce the last round it was due in is not waited for again while its peer stays
         silent: its record unchanged (state and round) and no announcement of a round since posted here.
         A dead peer's record until it expires, a forged one (a sybil's) that is only refreshed and a
@@ -315,7 +294,8 @@ class ManifestAgreement:
             due -= silent
             present = {p for p, info in announcers.items() if not info.get("ahead")} | {self.me}
             announced = due <= set(announcers) | {self.me}
-            settled = self._settled(group, round_) if announced or self.wakes.posted(MANIFEST, group, round_) else None
+            look = not due <= present and (announced or late or self.wakes.posted(MANIFEST, group, round_))
+            settled = self._settled(group, round_) if look else None
             if due <= present or late or (settled is not None and (announced or self.me in settled.members)):
                 missing = due - set(announcers) - {self.me} - set(settled.members if settled else ())
                 if missing:  # a live record that never announced (dead, or late): the round goes on without it
@@ -336,8 +316,11 @@ class ManifestAgreement:
                        for r in range(max(since, round_ - SILENT_LOOKBACK), round_ + 1))
 
     def _settled(self, group: str, round_: int) -> Manifest | None:
-        """The round's manifest that counts, if one exists (a stranger's does not end the wait)."""
-        return self._pick(manifests, group, round_) if (manifests := self.reads.manifests(group, round_)) else None
+        """The round's manifest from a previous member (any writer's without one), if one exists: a stranger's
+        does not end the wait, nor is it refused here (a fallback writer's counts later in `_agree`)."""
+        trusted = self.trusted(group, round_)
+        manifests = {w: m for w, m in self.reads.manifests(group, round_).items() if trusted is None or w in trusted}
+        return self._pick(manifests, group, round_) if manifests else None
 
     def _members(self, group: str, round_: int, announcers: dict[str, dict]) -> list[str]:
         """The members a manifest of these announcers names: the well-formed ones the run admits."""
@@ -391,7 +374,7 @@ class ManifestAgreement:
             raise CollectiveError(f"round {round_}: every manifest that counts was malformed")
         previous = self.trusted(group, round_)
         if (self.quorum and previous is not None
-                and self._solo_after_others(previous, manifest.members, self.reads.live())):
+                and solo_after_others(self.me, previous, manifest.members, self.reads.live())):
             raise CollectiveError(f"round {round_}: a manifest naming only this peer after a round with others")
         self.learn(group, round_, manifest.members, manifest.endpoints)
         if self.me not in manifest.members:
