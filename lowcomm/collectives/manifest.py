@@ -84,7 +84,7 @@ class ManifestAgreement:
         """Remembers the members of the manifest that starts at ``round_``: the next one counts only from
         one of them. A followed manifest is learnt so (with its ``endpoints``: its φ votes go to them); a
         joiner's first from its anchor (runtime.round_anchor). A member this peer missed (_silent) is due again."""
-        missed = self._missed.get(group, {})
+        missed, members = self._missed.get(group, {}), frozenset(members)
         self._missed[group] = {p: m for p, m in missed.items() if p not in members or m[0] > round_}
         known = [k for k in self._known.get(group, []) if k[0] != round_] + [(round_, frozenset(members))]
         self._known[group] = sorted(known)[-KNOWN_MANIFESTS:]
