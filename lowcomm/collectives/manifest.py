@@ -86,7 +86,7 @@ class ManifestAgreement:
         joiner's first from its anchor (runtime.round_anchor). A member this peer missed (_silent) is due again."""
         missed, members = self._missed.get(group, {}), frozenset(members)
         self._missed[group] = {p: m for p, m in missed.items() if p not in members or m[0] > round_}
-        known = [k for k in self._known.get(group, []) if k[0] != round_] + [(round_, frozenset(members))]
+        known = [k for k in self._known.get(group, []) if k[0] != round_] + [(round_, members)]
         self._known[group] = sorted(known)[-KNOWN_MANIFESTS:]
         if endpoints is not None and round_ >= max(first for first, _ in known):
             self._endpoints[group] = dict(endpoints)
@@ -274,9 +274,10 @@ class ManifestAgreement:
         A peer that only announced ahead (still training towards the round) is waited for up to
         `announce_s` like one that has not announced, but then stays a member, without a shard.
         A manifest already written settles the round: it ends the wait once every due peer announced, or
-        at once if one posted here names this peer (a joiner no announcement post reached). A live record that
-        did not announce the last round it was due in is not waited for again while its peer stays
-        silent: its record unchanged (state and round) and no announcement of a round since posted here.
+        at once if one posted here names this peer (a joiner no announcement post reached).
+        A live record that did not announce the last round it was due in is not waited for again while
+        its peer stays silent: its record unchanged (state and round) and no announcement of a round
+        since posted here.
         A dead peer's record until it expires, a forged one (a sybil's) that is only refreshed and a
         cut-off peer's from before the cut cost one wait, not one per round; a slow peer's late
         announcement, its record's next round, or a followed manifest naming it makes it due again."""
