@@ -11,8 +11,8 @@ writes one, and so on. A manifest counts only from a member of the previous mani
 followed (or learned, `learn`): any other writer is refused (a `reject` event), so a stranger's keys
 cannot lead a round. Only once every previous member that reached the round had its turn does a
 candidate from outside that list count (all previous members gone: the run goes on). A peer that
-knows no previous manifest (the run's first round, a joiner without an anchor) follows the lowest-id
-writer, as every writer is equal to it. A manifest fixes the ordered member list, which members own
+knows no previous manifest (a joiner without an anchor) takes the announcers that say they know one as
+the previous members; if none does (the run's first round), it follows the lowest-id writer. A manifest fixes the ordered member list, which members own
 a shard (client-mode peers own none), and how many consecutive rounds it covers (a membership
 epoch, so per-step algorithms do not touch the DHT every step).
 
@@ -75,6 +75,7 @@ class ManifestAgreement:
         self._refused: set[tuple[str, int, str, str]] = set()  # (group, round, peer, reason) already counted
         self._missed: dict[str, dict[str, tuple[int, str, int]]] = {}  # group -> peer -> round missed, record (_silent)
         self._endpoints: dict[str, dict[str, str]] = {}  # group -> the newest followed manifest's endpoints
+        self._vouched: dict[str, tuple[int, frozenset[str]]] = {}  # group -> round, its anchored announcers
         self.refused_writers = 0
         self.reads = RoundReads(control, self.wakes, self.on_event, sync.record_ttl_s)  # posted records, and the DHT's
 
@@ -93,9 +94,22 @@ class ManifestAgreement:
 
     def trusted(self, group: str, round_: int) -> frozenset[str] | None:
         """The writers whose manifest for ``round_`` counts: the members of the newest manifest known to
-        start before it; None when none is known (every writer counts)."""
+        start before it; without one, the announcers of the round that know one (`_vouch`); None when
+        neither is known (every writer counts)."""
         before = [members for first, members in self._known.get(group, []) if first < round_]
-        return before[-1] if before else None
+        vouched = self._vouched.get(group, (None, None))
+        return before[-1] if before else vouched[1] if vouched[0] == round_ else None
+
+    def _anchored(self, group: str, round_: int) -> bool:
+        """Whether this peer knows a manifest from before ``round_`` (it says so when it announces)."""
+        return any(first < round_ for first, _ in self._known.get(group, []))
+
+    def _vouch(self, group: str, round_: int, announcers: dict[str, dict]) -> None:
+        """Without a previous manifest, the announcers that know one count as its members (Decision 46)."""
+        anchored = frozenset(p for p, info in announcers.items()
+                             if info.get("anchored") is True and p != self.me and self.admits(p))
+        if anchored and not self._anchored(group, round_):
+            self._vouched[group] = (round_, anchored)
 
     def _pick(self, manifests: dict[str, dict], group: str, round_: int,
               fallback: frozenset[str] = frozenset()) -> Manifest | None:
@@ -150,7 +164,7 @@ class ManifestAgreement:
         from such an announcement owns no shard: it may still be far behind, or gone, and a shard
         owner that never replies costs every member that slice of the round.
         """
-        info = self._presence
+        info = {**self._presence, "anchored": True} if self._anchored(group, round_) else self._presence
         self._announce(group, round_, {**info, "ahead": True} if ahead else info)
 
     def publish_vote(self, group: str, round_: int, phi_hash: str, ttl: float) -> None:
@@ -208,6 +222,7 @@ class ManifestAgreement:
     def _agree(self, group: str, round_: int, epoch_rounds: int, codec: str, suspects: frozenset[str]) -> Manifest:
         self.announce(group, round_)
         announcers, complete = self._gather(group, round_, suspects)
+        self._vouch(group, round_, announcers)
         candidates = sorted(p for p, info in announcers.items() if not info.get("ahead") and self.admits(p))
         trusted = self.trusted(group, round_)
         if trusted is None:

@@ -163,7 +163,8 @@ class StagePeer:
         return math.floor((t - self.ctx.control.run_epoch) / self.config.pipeline.round_s)
 
     def _rounds(self) -> None:
-        next_round = self._round_at(get_dht_time()) + 1
+        # the first round starts a heartbeat after the stage is taken: the stage-mates' gathers see the record
+        next_round = self._round_at(get_dht_time() + self.config.sync.heartbeat_s) + 1
         while not self.ctx.stop.is_set():
             self._watch_end()
             if self.final_round is not None and next_round > self.final_round:

@@ -32,11 +32,13 @@ from lowcomm.runtime.round_anchor import Anchor, RoundFollower, publish_anchor, 
 from lowcomm.runtime.state_sync import StateSync
 from lowcomm.runtime.state_transfer import encode_state, state_phi_hash
 from lowcomm.transport.control import PeerRecord
+from lowcomm.transport.wakeups import Wakes
 from unit.test_sharded_reduce import KEY, WAIT_S, Board, nodes, payload  # noqa: F401 (nodes: the fixture)
 
 OUTSIDER = "0000000000"  # a fresh key's id below every peer's
 SYBILS = [f"000000000{i}" for i in range(1, 5)]
 SYNC = SyncConfig(announce_s=0.5, manifest_s=0.3)
+NEVER_S = 3600.0  # a turn that never comes within the test
 
 
 class MemoryControl:
@@ -126,6 +128,33 @@ def test_a_newcomer_leads_only_once_every_previous_member_had_its_turn():
     manifest = b.agree("0-0", 5, 1, "fp32")  # nobody trusted announced: b's own turn comes at once
     assert manifest.leader == "b" and manifest.members == ["b"]
     assert b.trusted("0-0", 6) == frozenset({"b"})
+
+
+def test_a_peer_without_a_previous_manifest_follows_the_one_that_has_one():
+    """A stage's replica that missed the stage's first round (its stage-mate took it alone) knows no
+    previous manifest, and its id is the lower. Once both announced, it leaves the round's manifest to
+    its stage-mate, which refuses any writer outside its previous round, and follows it (Decision 46).
+    Its own turn comes only after an hour: the stage-mate agrees once it has written or waits."""
+    store = {}
+    live = {p: PeerRecord(p, f"{p}:1", state="training", round=3) for p in ("a", "b")}
+    events, decided, result = [], threading.Event(), []
+    b = ManifestAgreement(MemoryControl("b", store, live), SYNC, "b:1",
+                          on_event=lambda kind, **f: events.append((kind, f)))
+    followed(b, "0-0", 2, ["b"])  # b took round 2 alone; a had no stage yet
+    b.announce("0-0", 3)
+    control_a = MemoryControl("a", store, live)
+    control_a.publish_manifest = lambda *args, write=control_a.publish_manifest: (decided.set(), write(*args))
+    a = ManifestAgreement(control_a, SyncConfig(announce_s=0.5, manifest_s=NEVER_S), "a:1",
+                          wakes=Wakes.polling(0.01), on_event=lambda kind, **f: events.append((kind, f)))
+    a.wakes.wait = lambda *args, wait=a.wakes.wait: (decided.set(), wait(*args))  # not writing: waits for b's
+    thread = threading.Thread(target=lambda: result.append(a.agree("0-0", 3, 1, "fp32")), daemon=True)
+    thread.start()
+    assert decided.wait(WAIT_S)
+    mine = b.agree("0-0", 3, 1, "fp32")
+    thread.join(WAIT_S)
+    assert [(m.leader, m.members) for m in result + [mine]] == [("b", ["a", "b"])] * 2
+    assert not any(kind == "reject" for kind, _ in events)
+    assert a.trusted("0-0", 4) == b.trusted("0-0", 4) == frozenset({"a", "b"})
 
 
 def test_outsider_manifests_leave_the_reduce_and_phi_unchanged(nodes):
