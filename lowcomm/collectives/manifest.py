@@ -11,10 +11,11 @@ writes one, and so on. A manifest counts only from a member of the previous mani
 followed (or learned, `learn`): any other writer is refused (a `reject` event), so a stranger's keys
 cannot lead a round. Only once every previous member that reached the round had its turn does a
 candidate from outside that list count (all previous members gone: the run goes on). A peer that
-knows no previous manifest (a joiner without an anchor) takes the announcers that say they know one as
-the previous members; if none does (the run's first round), it follows the lowest-id writer. A manifest fixes the ordered member list, which members own
-a shard (client-mode peers own none), and how many consecutive rounds it covers (a membership
-epoch, so per-step algorithms do not touch the DHT every step).
+knows no previous manifest (a joiner without an anchor) counts the announcers that say they know one
+as the previous members (its quorum does not); if none does (the run's first round), it follows the
+lowest-id writer. A manifest fixes the ordered member list, which members own a shard (client-mode
+peers own none), and how many consecutive rounds it covers (a membership epoch, so per-step
+algorithms do not touch the DHT every step).
 
 ``admits(peer_id)`` (the run's mode, runtime.admission) says who may be a member at all: the leader
 leaves those it refuses out, they are never candidate leaders nor waited for, and a manifest written
@@ -96,20 +97,20 @@ class ManifestAgreement:
         """The writers whose manifest for ``round_`` counts: the members of the newest manifest known to
         start before it; without one, the announcers of the round that know one (`_vouch`); None when
         neither is known (every writer counts)."""
-        before = [members for first, members in self._known.get(group, []) if first < round_]
-        vouched = self._vouched.get(group, (None, None))
-        return before[-1] if before else vouched[1] if vouched[0] == round_ else None
+        previous, vouched = self._previous(group, round_), self._vouched.get(group, (None, None))
+        return previous if previous is not None else vouched[1] if vouched[0] == round_ else None
 
-    def _anchored(self, group: str, round_: int) -> bool:
-        """Whether this peer knows a manifest from before ``round_`` (it says so when it announces)."""
-        return any(first < round_ for first, _ in self._known.get(group, []))
+    def _previous(self, group: str, round_: int) -> frozenset[str] | None:
+        """The members of the newest manifest this peer knows that starts before ``round_`` (its quorum's)."""
+        before = [members for first, members in self._known.get(group, []) if first < round_]
+        return before[-1] if before else None
 
     def _vouch(self, group: str, round_: int, announcers: dict[str, dict]) -> None:
-        """Without a previous manifest, the announcers that know one count as its members (Decision 46)."""
-        anchored = frozenset(p for p, info in announcers.items()
-                             if info.get("anchored") is True and p != self.me and self.admits(p))
-        if anchored and not self._anchored(group, round_):
-            self._vouched[group] = (round_, anchored)
+        """Without a previous manifest, the announcers that reached the round saying they know one count as
+        its members for leading and writing it (Decision 46); never for the quorum."""
+        anchored = frozenset(p for p, info in announcers.items() if info.get("anchored") is True
+                             and not info.get("ahead") and p != self.me and self.admits(p))
+        self._vouched[group] = (round_, anchored if anchored and self._previous(group, round_) is None else None)
 
     def _pick(self, manifests: dict[str, dict], group: str, round_: int,
               fallback: frozenset[str] = frozenset()) -> Manifest | None:
@@ -164,7 +165,7 @@ class ManifestAgreement:
         from such an announcement owns no shard: it may still be far behind, or gone, and a shard
         owner that never replies costs every member that slice of the round.
         """
-        info = {**self._presence, "anchored": True} if self._anchored(group, round_) else self._presence
+        info = {**self._presence, "anchored": True} if self._previous(group, round_) is not None else self._presence
         self._announce(group, round_, {**info, "ahead": True} if ahead else info)
 
     def publish_vote(self, group: str, round_: int, phi_hash: str, ttl: float) -> None:
@@ -277,7 +278,7 @@ class ManifestAgreement:
     def short_of_quorum(self, group: str, round_: int, members) -> str | None:
         """Why this peer must not write a manifest of ``round_`` whose ``members`` reached it; None if it may
         (collectives.quorum). Without ``quorum``, or without a previous manifest, anything goes."""
-        previous = self.trusted(group, round_)
+        previous = self._previous(group, round_)
         if not self.quorum or previous is None:
             return None
         return short_of_quorum(self.me, previous, members, self.reads.live())
@@ -388,7 +389,7 @@ class ManifestAgreement:
             manifest = self._pick(manifests, group, round_, fallback)
         if manifest is None:
             raise CollectiveError(f"round {round_}: every manifest that counts was malformed")
-        previous = self.trusted(group, round_)
+        previous = self._previous(group, round_)
         if (self.quorum and previous is not None
                 and solo_after_others(self.me, previous, manifest.members, self.reads.live())):
             raise CollectiveError(f"round {round_}: a manifest naming only this peer after a round with others")

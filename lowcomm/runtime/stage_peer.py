@@ -163,8 +163,11 @@ class StagePeer:
         return math.floor((t - self.ctx.control.run_epoch) / self.config.pipeline.round_s)
 
     def _rounds(self) -> None:
-        # the first round starts a heartbeat after the stage is taken: the stage-mates' gathers see the record
+        # the first round starts a heartbeat after the stage is taken: the stage-mates' gathers see the record,
+        # whose round says from which round on they wait for this replica
         next_round = self._round_at(get_dht_time() + self.config.sync.heartbeat_s) + 1
+        self.record.round = next_round
+        self.membership.publish()
         while not self.ctx.stop.is_set():
             self._watch_end()
             if self.final_round is not None and next_round > self.final_round:

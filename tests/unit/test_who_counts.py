@@ -157,6 +157,22 @@ def test_a_peer_without_a_previous_manifest_follows_the_one_that_has_one():
     assert a.trusted("0-0", 4) == b.trusted("0-0", 4) == frozenset({"a", "b"})
 
 
+def test_a_strangers_claim_to_know_a_previous_manifest_never_counts_toward_the_quorum():
+    """The run's first round, with the quorum rule: a stranger announces that it knows a previous
+    manifest, so it has the first turn, then withdraws. The peer still writes the round's manifest:
+    the claim orders the leaders of that round and nothing else (Decision 46)."""
+    store = {}
+    live = {p: PeerRecord(p, f"{p}:1", state="training", round=0) for p in ("a", OUTSIDER)}
+    stranger = MemoryControl(OUTSIDER, store, live)
+    stranger.announce("0-0", 0, {"endpoint": f"{OUTSIDER}:1", "anchored": True}, 60)
+    a = ManifestAgreement(MemoryControl("a", store, live), SyncConfig(announce_s=0.5, manifest_s=0.3, record_ttl_s=1.0),
+                          "a:1", quorum=True, wakes=Wakes.polling(0.01))
+    withdraw = lambda: stranger.announce("0-0", 0, {"endpoint": None, "gone": True}, 60)
+    a.wakes.wait = lambda *args, wait=a.wakes.wait: (withdraw(), wait(*args))  # waiting on the stranger's turn
+    manifest = a.agree("0-0", 0, 1, "fp32")
+    assert (manifest.leader, manifest.members) == ("a", ["a"])
+
+
 def test_outsider_manifests_leave_the_reduce_and_phi_unchanged(nodes):
     store, members = {}, nodes[:3]
     ids = [n.id for n in members]
