@@ -76,7 +76,7 @@ class ManifestAgreement:
         self._refused: set[tuple[str, int, str, str]] = set()  # (group, round, peer, reason) already counted
         self._missed: dict[str, dict[str, tuple[int, str, int]]] = {}  # group -> peer -> round missed, record (_silent)
         self._endpoints: dict[str, dict[str, str]] = {}  # group -> the newest followed manifest's endpoints
-        self._vouched: dict[str, tuple[int, frozenset[str]]] = {}  # group -> round, its anchored announcers
+        self._vouched: dict[str, tuple[int, frozenset[str] | None]] = {}  # group -> round, its anchored announcers
         self.refused_writers = 0
         self.reads = RoundReads(control, self.wakes, self.on_event, sync.record_ttl_s)  # posted records, and the DHT's
 
