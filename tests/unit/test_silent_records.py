@@ -54,6 +54,23 @@ def test_a_record_that_never_announces_costs_one_wait_until_it_changes():
     assert waited_for(events, 8) == ["s"]
 
 
+def test_a_record_that_names_each_next_round_but_never_announces_costs_two_waits():
+    """A sybil's forged `training` record that moves to each next round and never announces: a changed
+    record makes a peer due again only until it missed STRIKES rounds; then only a posted announcement
+    does (or a followed manifest naming it)."""
+    live = {"a": PeerRecord("a", "a:1", state="training", round=5)}
+    agreement, events = lone_peer(live)
+    for round_ in range(5, 10):
+        live["s"] = PeerRecord("s", "s:1", state="training", round=round_)
+        agreement.agree(GROUP, round_, 1, "fp32")
+    assert [waited_for(events, r) for r in range(5, 10)] == [["s"], ["s"], [], [], []]
+    posted = {(ANNOUNCE, GROUP, 9): {"s": {"endpoint": "s:1"}}}  # it announced a round: a peer after all
+    agreement.wakes.posted = lambda kind, group, round_: posted.get((kind, group, round_), {})
+    live["s"] = PeerRecord("s", "s:1", state="training", round=10)
+    agreement.agree(GROUP, 10, 1, "fp32")
+    assert waited_for(events, 10) == ["s"]
+
+
 def test_a_peer_that_missed_a_round_and_announced_it_late_is_waited_for_again():
     live = {"a": PeerRecord("a", "a:1", state="training", round=5),
             "b": PeerRecord("b", "b:1", state="training", round=5)}  # its record lags behind it
