@@ -1,30 +1,32 @@
 """Round membership: peers announce for a round in the DHT and follow one manifest written by a leader.
 
 A writer also posts its announcement and manifest to the peers that wait on them (transport.round_posts);
-waits read the posts when woken and the DHT seldom (collectives.round_reads). With G = `sync.max_contributors`
-above 0, only the first G members in the order of sha256(run ‖ group ‖ round ‖ peer id) (a rotation across
-rounds) send contributions; the others receive the aggregate without adding to it.
+waits read the posts when woken and the DHT seldom (collectives.round_reads). With `sync.max_contributors`
+= G > 0, only the first G members in the order of sha256(run ‖ group ‖ round ‖ peer id) (a rotation
+across rounds) send contributions; the others receive the aggregate without adding to it.
 
-The leader is the lowest peer id among the announcers that reached the round, the members of the previous
-manifest first; if its manifest does not appear within `manifest_s`, the next candidate writes one, and so on.
-A manifest counts only from a member of the previous manifest this peer followed (or learned, `learn`): any
-other writer is refused (a `reject` event), so a stranger's keys cannot lead a round. Only once every previous
-member that reached the round had its turn does a candidate from outside that list count (all previous members
-gone: the run goes on). A peer that knows no previous manifest (a joiner without an anchor) counts the
-announcers that say they know one as the previous members (its quorum does not); if none does (the run's first
-round), it follows the lowest-id writer. A manifest fixes the ordered member list, which members own a shard
-(client-mode peers own none), and how many consecutive rounds it covers (a membership epoch, so per-step
+The leader is the lowest peer id among the announcers that reached the round, the members of the
+previous manifest first; if its manifest does not appear within `manifest_s`, the next candidate
+writes one, and so on. A manifest counts only from a member of the previous manifest this peer
+followed (or learned, `learn`): any other writer is refused (a `reject` event), so a stranger's keys
+cannot lead a round. Only once every previous member that reached the round had its turn does a
+candidate from outside that list count (all previous members gone: the run goes on). A peer that
+knows no previous manifest (a joiner without an anchor) counts the announcers that say they know one
+as the previous members (its quorum does not); if none does (the run's first round), it follows the
+lowest-id writer. A manifest fixes the ordered member list, which members own a shard (client-mode
+peers own none), and how many consecutive rounds it covers (a membership epoch, so per-step
 algorithms do not touch the DHT every step).
 
-``admits(peer_id)`` (the run's mode, runtime.admission) says who may be a member at all: the leader leaves
-those it refuses out, they are never candidate leaders nor waited for, and a manifest written by or naming one
-is refused (each a `reject` event).
+``admits(peer_id)`` (the run's mode, runtime.admission) says who may be a member at all: the leader
+leaves those it refuses out, they are never candidate leaders nor waited for, and a manifest written
+by or naming one is refused (each a `reject` event).
 
-With ``quorum`` (training peers; docs/round-protocol.md, Decision 27) a peer writes a manifest only once a
-majority of the previous manifest's members still live in the DHT (a killed peer's record expires, a leaver's
-is tombstoned) reached the round, never one that only it reached after a round with others, and follows no
-manifest naming only itself after such a round: a peer cut off from the swarm fails the round (after
-`quorum_wait_s`, withdrawing its announcement) instead of training alone on a φ of its own.
+With ``quorum`` (training peers; docs/round-protocol.md, Decision 27) a peer writes a manifest only
+once a majority of the previous manifest's members still live in the DHT (a killed peer's record
+expires, a leaver's is tombstoned) reached the round, never one that only it reached after a round
+with others, and follows no manifest naming only itself after such a round: a peer cut off from the
+swarm fails the round (after `quorum_wait_s`, withdrawing its announcement) instead of training
+alone on a φ of its own.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from lowcomm.collectives.config import SyncConfig
 from lowcomm.collectives.manifest_record import Manifest, bounded_fan_in, first_valid  # noqa: F401 (imported from here)
 from lowcomm.collectives.quorum import short_of_quorum, solo_after_others
 from lowcomm.collectives.round_reads import RoundReads
+from lowcomm.collectives.silent_records import SilentRecords
 from lowcomm.transport.control import ControlPlane, PeerRecord
 from lowcomm.transport.round_posts import ANNOUNCE, MANIFEST, VOTE
 from lowcomm.transport.wakeups import Wakes
@@ -46,9 +49,6 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.05  # how often a wait reads the DHT without wakes (transport.wakeups: with them, when woken)
 QUORUM_POLL_S = 0.5  # how often a writer short of a quorum looks again (announcers and live records)
 KNOWN_MANIFESTS = 8  # per group: the manifests remembered for the writer check
-SILENT_LOOKBACK = 8  # rounds of posted announcements that show a peer that missed a round is still there
-STRIKES = 2  # rounds missed after which only a posted announcement or a followed manifest makes a peer due again
-Missed = tuple[int, str, int, int]  # the last round a peer missed, its record's state and round then, rounds missed
 
 
 class ManifestAgreement:
@@ -74,7 +74,7 @@ class ManifestAgreement:
         self.me = control.identity.peer_id
         self._known: dict[str, list[tuple[int, frozenset[str]]]] = {}  # group -> (first round, members), by round
         self._refused: set[tuple[str, int, str, str]] = set()  # (group, round, peer, reason) already counted
-        self._missed: dict[str, dict[str, Missed]] = {}  # group -> peer -> its misses (_silent)
+        self.silent = SilentRecords(self.wakes)  # whom a gather does not wait for
         self._endpoints: dict[str, dict[str, str]] = {}  # group -> the newest followed manifest's endpoints
         self._vouched: dict[str, tuple[int, frozenset[str] | None]] = {}  # group -> round, its anchored announcers
         self.refused_writers = 0
@@ -85,9 +85,9 @@ class ManifestAgreement:
     def learn(self, group: str, round_: int, members, endpoints: dict[str, str] | None = None) -> None:
         """Remembers the members of the manifest that starts at ``round_``: the next one counts only from
         one of them. A followed manifest is learnt so (with its ``endpoints``: its φ votes go to them); a
-        joiner's first from its anchor (runtime.round_anchor). A member this peer missed (_silent) is due again."""
-        missed, members = self._missed.get(group, {}), frozenset(members)
-        self._missed[group] = {p: m for p, m in missed.items() if p not in members or m[0] > round_}
+        joiner's first from its anchor (runtime.round_anchor). A member this peer missed is due again."""
+        members = frozenset(members)
+        self.silent.named(group, round_, members)
         known = [k for k in self._known.get(group, []) if k[0] != round_] + [(round_, members)]
         self._known[group] = sorted(known)[-KNOWN_MANIFESTS:]
         if endpoints is not None and round_ >= max(first for first, _ in known):
@@ -291,12 +291,10 @@ class ManifestAgreement:
         `announce_s` like one that has not announced, but then stays a member, without a shard.
         A manifest already written settles the round: it ends the wait once every due peer announced, or
         at once if one posted here names this peer (a joiner no announcement post reached).
-        A live record that did not announce the last round it was due in is not waited for again while its
-        peer stays silent (`_silent`): a dead peer's record until it expires, a forged one (a sybil's) and a
-        cut-off peer's from before the cut cost one or two waits, not one per round; a slow peer's late
-        announcement, its record's next round (before STRIKES), or a followed manifest naming it makes it due again."""
+        A live record that missed a round and stayed silent since is not waited for
+        (collectives.silent_records): a dead peer's record until it expires, a cut-off peer's from before
+        the cut and a forged one cost one or two waits, not one per round."""
         deadline = time.monotonic() + self.sync.announce_s
-        missed = self._missed.get(group, {})
         while True:
             late = time.monotonic() >= deadline  # the round may go on without a peer: the DHT's records too
             announcers = {p: info for p, info in self.reads.announcers(group, round_, fresh=late).items()
@@ -305,8 +303,7 @@ class ManifestAgreement:
             due = {p for p, rec in records.items()
                    if rec.state in ("training", "joining") and rec.round <= round_ and p not in suspects
                    and self.due_in_group(group, rec) and self.admits(p)}
-            silent = {p for p in due & missed.keys() if self._silent(group, round_, missed[p], records[p])}
-            due -= silent
+            due -= self.silent.silent(group, round_, due, records)
             present = {p for p, info in announcers.items() if not info.get("ahead")} | {self.me}
             announced = due <= set(announcers) | {self.me}
             look = not due <= present and (announced or late or self.wakes.posted(MANIFEST, group, round_))
@@ -315,22 +312,10 @@ class ManifestAgreement:
                 missing = due - set(announcers) - {self.me} - set(settled.members if settled else ())
                 if missing:  # a live record that never announced (dead, or late): the round goes on without it
                     self.on_event("timeout", round=round_, stage="announce", missing=sorted(missing))
-                self._missed[group] = {**{p: m for p, m in missed.items() if p in records and p not in announcers},
-                                       **{p: (round_, records[p].state, records[p].round,
-                                              missed[p][3] + 1 if p in missed else 1) for p in missing}}
+                self.silent.close(group, round_, records, announcers, missing)
                 announcers[self.me] = self._presence
                 return announcers, due <= present
             self.wakes.wait(group, round_, deadline - time.monotonic())
-
-    def _silent(self, group: str, round_: int, missed: Missed, record: PeerRecord) -> bool:
-        """Whether a peer that did not announce round ``missed[0]`` (its record then: ``missed[1:3]``) stayed
-        silent since: it posted no announcement of a round since and, unless it missed STRIKES rounds it
-        was due in (a sybil's record that names each next round), its record is unchanged."""
-        since, state, at, strikes = missed
-        if strikes < STRIKES and (record.state, record.round) != (state, at):
-            return False
-        return not any(record.peer_id in self.wakes.posted(ANNOUNCE, group, r)
-                       for r in range(max(since, round_ - SILENT_LOOKBACK), round_ + 1))
 
     def _settled(self, group: str, round_: int) -> Manifest | None:
         """The round's manifest from a previous member (any writer's without one), if one exists: a stranger's
