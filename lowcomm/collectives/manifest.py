@@ -85,7 +85,7 @@ class ManifestAgreement:
     def learn(self, group: str, round_: int, members, endpoints: dict[str, str] | None = None) -> None:
         """Remembers the members of the manifest that starts at ``round_``: the next one counts only from
         one of them. A followed manifest is learnt so (with its ``endpoints``: its φ votes go to them); a
-        joiner's first from its anchor (runtime.round_anchor). A member this peer missed is due again."""
+        joiner's first from its anchor (runtime.round_anchor). Its members took part: each is due again."""
         members = frozenset(members)
         self.silent.named(group, round_, members)
         known = [k for k in self._known.get(group, []) if k[0] != round_] + [(round_, members)]

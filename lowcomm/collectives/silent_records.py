@@ -3,7 +3,7 @@
 A live record that did not announce the last round it was due in is not waited for again while its peer
 stays silent (docs/round-protocol.md, Decisions 32, 45 and 47): it posted no announcement of a round since,
 and its record is unchanged (state and round). A dead peer's record until it expires, a cut-off peer's from
-before the cut and a forged one that is only refreshed so cost one wait, not one per round. A changed record
+before the cut and a forged one that is only refreshed cost one wait, not one per round. A changed record
 makes a peer due again, since a slow peer's record names its next round, but only for a peer this agreement
 has seen take part (announcing a round, or named in a manifest it learnt) or one that missed fewer than
 STRIKES rounds: a forged record that names each next round and never announces (a sybil's) costs two waits,

@@ -11,6 +11,7 @@ import threading
 
 from lowcomm.collectives.config import SyncConfig
 from lowcomm.collectives.manifest import Manifest, ManifestAgreement
+from lowcomm.collectives.silent_records import SilentRecords
 from lowcomm.transport.control import PeerRecord
 from lowcomm.transport.round_posts import ANNOUNCE, MANIFEST
 from lowcomm.transport.wakeups import Wakes
@@ -82,6 +83,17 @@ def test_a_peer_seen_taking_part_is_waited_for_whenever_its_record_moves_on():
         live["m"] = PeerRecord("m", "m:1", state="training", round=round_)
         agreement.agree(GROUP, round_, 1, "fp32")
     assert [waited_for(events, r) for r in range(5, 9)] == [["m"]] * 4
+
+
+def test_a_peer_seen_announcing_is_due_again_whenever_its_record_moves_on():
+    """A peer a gather saw announcing (though the manifest followed left it out: it came too late for the
+    leader) counts as taking part: its record naming each next round makes it due, however many it missed."""
+    silent = SilentRecords(Wakes.polling(0.0))
+    silent.close(GROUP, 5, {"s": PeerRecord("s", "s:1", state="training", round=5)}, {"s": {"endpoint": "s:1"}}, set())
+    for round_ in range(6, 10):
+        records = {"s": PeerRecord("s", "s:1", state="training", round=round_)}
+        assert silent.silent(GROUP, round_, {"s"}, records) == set()
+        silent.close(GROUP, round_, records, {}, {"s"})  # it missed the round
 
 
 def test_a_record_not_due_in_a_round_keeps_its_misses():
