@@ -125,6 +125,8 @@ def figures(report: dict) -> dict:
             "rejects": sum(e["kind"] == "reject" for e in events),
             "byzantine_events": sum(e["kind"] == "byzantine" for e in events),
             "timeout_rounds": timeouts, "longest_sync_s": max((r["sync_s"] for r in report["rounds"]), default=None),
+            "mean_sync_s": statistics.fmean([r["sync_s"] for r in report["rounds"]]) if report["rounds"] else None,
+            "announce_waits": sum(e["kind"] == "timeout" and e.get("stage") == "announce" for e in events),
             "wall_s": report["wall_s"], "startup_s": report["startup_s"],
             "failed_peers": report.get("failed_peers", [])}
 
@@ -135,6 +137,10 @@ def _loss(value) -> str:
     if value is None:
         return "n/a"
     return f"{value:.4f}" if abs(value) < 1e4 else f"{value:.3g}"  # a diverged run's loss in a few digits
+
+
+def _num(value) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
 
 
 def _gap(loss, base) -> str:
@@ -157,7 +163,9 @@ def write_table(out: Path, planned: list[tuple[str, int, str]], args) -> str:
     lines = [f"Byzantine members, {args.peers} peers of DiLoCo, {args.rounds} rounds of H = {args.inner_steps}, "
              f"seed {args.seed}. Gap: the honest peers' final loss against the honest row under the default "
              "aggregate. Left out: rounds in which some member was left out (its part refused or late); "
-             "longest sync: the slowest round's sync time against the reduce deadline (past it: a stall).", ""]
+             "longest sync: the slowest round's sync time against the reduce deadline (past it: a stall); "
+             "announce waits: the peer-rounds whose gather waited `sync.announce_s` for a record that did not "
+             "announce.", ""]
     noise = {s: done.get(("honest", 0, "default", *same[:3], s), {}).get("final_loss")
              for s in [args.seed, *args.noise_seeds]}
     if len(noise) > 1 and all(v is not None for v in noise.values()) and base:
@@ -165,7 +173,8 @@ def write_table(out: Path, planned: list[tuple[str, int, str]], args) -> str:
         lines += [f"Seed noise: the honest run under the default aggregate at other seeds, against seed {args.seed}: "
                   f"{gaps}.", ""]
     lines += ["| attack | f | aggregate | honest final loss | gap vs honest | rejects | left out | longest sync (s) "
-              "| byzantine events | row wall (s) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| mean sync (s) | announce waits | byzantine events | row wall (s) |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     missing = []
     for kind, f, aggregate in planned + sorted(k[:3] for k in done if k[3:] == same and k[:3] not in planned):
         row = done.get((kind, f, aggregate, *same))
@@ -181,13 +190,14 @@ def write_table(out: Path, planned: list[tuple[str, int, str]], args) -> str:
         if not row.get("finished"):
             sync += f"; did not finish (rc {row['rc']}, {row.get('rounds', 0)}/{row['rounds_planned']} rounds)"
         lines.append(f"| {kind} | {f} | {aggregate} | {_loss(loss)} | {_gap(loss, base)} | {row.get('rejects', 'n/a')} | "
-                     f"{left_out} | {sync} | {row.get('byzantine_events', 'n/a')} | {row['row_wall_s']:.0f} |")
+                     f"{left_out} | {sync} | {_num(row.get('mean_sync_s'))} | {row.get('announce_waits', 'n/a')} | "
+                     f"{row.get('byzantine_events', 'n/a')} | {row['row_wall_s']:.0f} |")
     return save_table(out, lines, missing)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--kinds", nargs="+", default=KINDS, choices=KINDS)
+    ap.add_argument("--kinds", nargs="*", default=KINDS, choices=KINDS, help="none: the honest and outsider rows only")
     ap.add_argument("--f", nargs="+", type=int, default=[2, 3], help="Byzantine members per row")
     ap.add_argument("--aggregates", nargs="+", default=["default", "mean"],
                     help="default: the run config's own (defences on); any other is set through --aggregate-key")
