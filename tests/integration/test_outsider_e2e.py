@@ -25,7 +25,7 @@ from lowcomm.runtime.sim import Simulation
 from children import events, wait_until
 from outsider_process import start_outsider, stop_outsider
 
-H, ROUNDS, PEERS = 3, 6, 3
+H, ROUNDS, PEERS = 3, 8, 3  # the joiner (round 3) has rounds to get in before the run ends
 PARTS = ("forged", "nonmember", "bomb", "flood")
 # how a stream still open when the run ended, or one beyond a cap, is answered
 BUSY = {"RESOURCE_EXHAUSTED", "UNAVAILABLE", "CANCELLED", "DEADLINE_EXCEEDED"}
