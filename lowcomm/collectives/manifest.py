@@ -289,11 +289,11 @@ class ManifestAgreement:
 
         A peer that only announced ahead (still training towards the round) is waited for up to
         `announce_s` like one that has not announced, but then stays a member, without a shard.
-        A manifest already written settles the round: it ends the wait once every due peer announced, or
-        at once if one posted here names this peer (a joiner no announcement post reached).
-        A live record that did not announce the last round it was due in is not waited for again while
-        its peer stays silent: its record unchanged (state and round) and no announcement of a round
-        since posted here.
+        A manifest already written settles the round: it ends the wait once every due peer announced, at
+        once if it names this peer (a joiner no announcement post reached), and at once if a previous
+        member wrote it (a peer a round behind: it is not in it, and catches the round up, Decision 48).
+        A live record that did not announce the last round it was due in is not waited for again while its
+        peer stays silent: its record unchanged (state and round), no announcement of a round since posted.
         A dead peer's record until it expires, a forged one (a sybil's) that is only refreshed and a
         cut-off peer's from before the cut cost one wait, not one per round; a slow peer's late
         announcement, its record's next round, or a followed manifest naming it makes it due again."""
@@ -311,9 +311,9 @@ class ManifestAgreement:
             due -= silent
             present = {p for p, info in announcers.items() if not info.get("ahead")} | {self.me}
             announced = due <= set(announcers) | {self.me}
-            look = not due <= present and (announced or late or self.wakes.posted(MANIFEST, group, round_))
-            settled = self._settled(group, round_) if look else None
-            if due <= present or late or (settled is not None and (announced or self.me in settled.members)):
+            settled = self._settled(group, round_) if not due <= present else None  # the DHT's at its poll
+            if due <= present or late or (settled is not None and (announced or self.me in settled.members
+                                                                    or self.trusted(group, round_) is not None)):
                 missing = due - set(announcers) - {self.me} - set(settled.members if settled else ())
                 if missing:  # a live record that never announced (dead, or late): the round goes on without it
                     self.on_event("timeout", round=round_, stage="announce", missing=sorted(missing))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 
 from lowcomm.collectives.config import SyncConfig
+from lowcomm.collectives.base import NotInRound
 from lowcomm.collectives.manifest import Manifest, ManifestAgreement
 from lowcomm.transport.control import PeerRecord
 from lowcomm.transport.round_posts import ANNOUNCE, MANIFEST
@@ -104,3 +105,30 @@ def test_a_peer_missed_in_a_round_whose_manifest_names_it_is_waited_for_next_rou
     assert agreement.agree(GROUP, 5, 1, "fp32").members == ["a", "b"]
     assert agreement.agree(GROUP, 6, 1, "fp32").members == ["a"]  # b never reaches 6 here
     assert [waited_for(events, r) for r in (5, 6)] == [["b"], ["b"]]
+
+
+def test_a_peer_a_round_behind_stops_waiting_once_a_previous_member_wrote_the_round():
+    """A peer that enters a round the others already settled (a joiner whose state arrived while the
+    round was in flight) goes on as soon as it sees the manifest a previous member wrote without it, and
+    catches the round up (NotInRound), instead of waiting `announce_s` for a live record that never
+    announces (a sybil's). Its `announce_s` is an hour: only the manifest can end the wait in time."""
+    store, ids = {}, ["a", "b"]
+    live = {p: PeerRecord(p, f"{p}:1", state="training", round=5) for p in [*ids, "j", "s"]}
+    written = Manifest("run", GROUP, 5, 1, "a", ids, {p: f"{p}:1" for p in ids}, ids, "fp32")
+    MemoryControl("a", store, live).publish_manifest(GROUP, 5, written.to_dict(), 60)  # stored, posted to a, b only
+    events, outcome = [], []
+    agreement = ManifestAgreement(MemoryControl("j", store, live), SyncConfig(announce_s=NEVER_S, manifest_s=0.2),
+                                  "j:1", wakes=Wakes.polling(0.01), on_event=lambda kind, **f: events.append((kind, f)))
+    agreement.learn(GROUP, 4, ids)  # the anchor it joined from
+
+    def agree():
+        try:
+            agreement.agree(GROUP, 5, 1, "fp32")
+        except NotInRound as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=agree, daemon=True)
+    thread.start()
+    thread.join(WAIT_S)
+    assert outcome and outcome[0].manifest.members == ids
+    assert waited_for(events, 5) == ["s"]  # went on without the silent record, named once
