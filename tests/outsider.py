@@ -245,7 +245,7 @@ def sybil_records(outsider: Outsider, manifest: dict, ahead: int = 3) -> list[di
     for control in outsider.sybil_controls:
         me = control.identity.peer_id
         control.publish_peer(PeerRecord(me, outsider.endpoint, state="training", round=manifest["round"] + 1,
-                                        throughput=1e9), ttl=30.0)
+                                        throughput=1e9), ttl=60.0)  # outlives a stalled attack loop
         for round_ in range(manifest["round"], manifest["round"] + 1 + ahead):
             control.publish_phi_hash(GROUP, round_, "f" * 64, ttl=120.0)
         out.append({"attack": "sybil", "sybil": me, "round": manifest["round"], "status": "PUBLISHED"})

@@ -40,6 +40,7 @@ from lowcomm.collectives.config import SyncConfig
 from lowcomm.collectives.manifest_record import Manifest, bounded_fan_in, first_valid  # noqa: F401 (imported from here)
 from lowcomm.collectives.quorum import short_of_quorum, solo_after_others
 from lowcomm.collectives.round_reads import RoundReads
+from lowcomm.collectives.silent_records import SilentRecords
 from lowcomm.transport.control import ControlPlane, PeerRecord
 from lowcomm.transport.round_posts import ANNOUNCE, MANIFEST, VOTE
 from lowcomm.transport.wakeups import Wakes
@@ -48,7 +49,6 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.05  # how often a wait reads the DHT without wakes (transport.wakeups: with them, when woken)
 QUORUM_POLL_S = 0.5  # how often a writer short of a quorum looks again (announcers and live records)
 KNOWN_MANIFESTS = 8  # per group: the manifests remembered for the writer check
-SILENT_LOOKBACK = 8  # rounds of posted announcements that show a peer that missed a round is still there
 
 
 class ManifestAgreement:
@@ -74,7 +74,7 @@ class ManifestAgreement:
         self.me = control.identity.peer_id
         self._known: dict[str, list[tuple[int, frozenset[str]]]] = {}  # group -> (first round, members), by round
         self._refused: set[tuple[str, int, str, str]] = set()  # (group, round, peer, reason) already counted
-        self._missed: dict[str, dict[str, tuple[int, str, int]]] = {}  # group -> peer -> round missed, record (_silent)
+        self.silent = SilentRecords(self.wakes)  # whom a gather does not wait for
         self._endpoints: dict[str, dict[str, str]] = {}  # group -> the newest followed manifest's endpoints
         self._vouched: dict[str, tuple[int, frozenset[str] | None]] = {}  # group -> round, its anchored announcers
         self.refused_writers = 0
@@ -85,9 +85,9 @@ class ManifestAgreement:
     def learn(self, group: str, round_: int, members, endpoints: dict[str, str] | None = None) -> None:
         """Remembers the members of the manifest that starts at ``round_``: the next one counts only from
         one of them. A followed manifest is learnt so (with its ``endpoints``: its φ votes go to them); a
-        joiner's first from its anchor (runtime.round_anchor). A member this peer missed (_silent) is due again."""
-        missed, members = self._missed.get(group, {}), frozenset(members)
-        self._missed[group] = {p: m for p, m in missed.items() if p not in members or m[0] > round_}
+        joiner's first from its anchor (runtime.round_anchor). Its members took part: each is due again."""
+        members = frozenset(members)
+        self.silent.named(group, round_, members)
         known = [k for k in self._known.get(group, []) if k[0] != round_] + [(round_, members)]
         self._known[group] = sorted(known)[-KNOWN_MANIFESTS:]
         if endpoints is not None and round_ >= max(first for first, _ in known):
@@ -292,13 +292,10 @@ class ManifestAgreement:
         A manifest already written settles the round: it ends the wait once every due peer announced, at
         once if it names this peer (a joiner no announcement post reached), and at once if a previous
         member wrote it (a peer a round behind: it is not in it, and catches the round up, Decision 48).
-        A live record that did not announce the last round it was due in is not waited for again while its
-        peer stays silent: its record unchanged (state and round), no announcement of a round since posted.
-        A dead peer's record until it expires, a forged one (a sybil's) that is only refreshed and a
-        cut-off peer's from before the cut cost one wait, not one per round; a slow peer's late
-        announcement, its record's next round, or a followed manifest naming it makes it due again."""
+        A live record that missed a round and stayed silent since is not waited for
+        (collectives.silent_records): a dead peer's record until it expires, a cut-off peer's from before
+        the cut and a forged one cost one or two waits, not one per round."""
         deadline = time.monotonic() + self.sync.announce_s
-        missed = self._missed.get(group, {})
         while True:
             late = time.monotonic() >= deadline  # the round may go on without a peer: the DHT's records too
             announcers = {p: info for p, info in self.reads.announcers(group, round_, fresh=late).items()
@@ -307,8 +304,7 @@ class ManifestAgreement:
             due = {p for p, rec in records.items()
                    if rec.state in ("training", "joining") and rec.round <= round_ and p not in suspects
                    and self.due_in_group(group, rec) and self.admits(p)}
-            silent = {p for p in due & missed.keys() if self._silent(group, round_, missed[p], records[p])}
-            due -= silent
+            due -= self.silent.silent(group, round_, due, records)
             present = {p for p, info in announcers.items() if not info.get("ahead")} | {self.me}
             announced = due <= set(announcers) | {self.me}
             settled = self._settled(group, round_) if not due <= present else None  # the DHT's at its poll
@@ -317,20 +313,10 @@ class ManifestAgreement:
                 missing = due - set(announcers) - {self.me} - set(settled.members if settled else ())
                 if missing:  # a live record that never announced (dead, or late): the round goes on without it
                     self.on_event("timeout", round=round_, stage="announce", missing=sorted(missing))
-                self._missed[group] = {**{p: missed[p] for p in silent - set(announcers)},
-                                       **{p: (round_, records[p].state, records[p].round) for p in missing}}
+                self.silent.close(group, round_, records, announcers, missing)
                 announcers[self.me] = self._presence
                 return announcers, due <= present
             self.wakes.wait(group, round_, deadline - time.monotonic())
-
-    def _silent(self, group: str, round_: int, missed: tuple[int, str, int], record: PeerRecord) -> bool:
-        """Whether a peer that did not announce round ``missed[0]`` (its record then: ``missed[1:]``)
-        stayed silent since: its record is unchanged and it posted no announcement of a round since."""
-        since, state, at = missed
-        if (record.state, record.round) != (state, at):
-            return False
-        return not any(record.peer_id in self.wakes.posted(ANNOUNCE, group, r)
-                       for r in range(max(since, round_ - SILENT_LOOKBACK), round_ + 1))
 
     def _settled(self, group: str, round_: int) -> Manifest | None:
         """The round's manifest from a previous member (any writer's without one), if one exists: a stranger's

@@ -6,14 +6,15 @@ itself the only owner, and has sybil keys vote a φ of their own and advertise a
 
 Every honest peer finishes; no outsider key is ever a participant or a contributor; every round's φ
 hashes agree; every part the outsider sent is refused, each with its reason in a `reject` event of
-the peer it reached; nobody loads the outsider's state. Assertions are on records and the
-outsider's log of answers, never on durations; the outsider runs in its own process group, every
-wait has a deadline.
+the peer it reached; nobody loads the outsider's state; no peer waits for a sybil's record in more
+than two rounds. Assertions are on records and the outsider's log of answers, never on durations;
+the outsider runs in its own process group, every wait has a deadline.
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ from lowcomm.runtime.sim import Simulation
 from children import events, wait_until
 from outsider_process import start_outsider, stop_outsider
 
-H, ROUNDS, PEERS = 3, 6, 3
+H, ROUNDS, PEERS = 3, 8, 3  # the joiner (round 3) has rounds to get in before the run ends
 PARTS = ("forged", "nonmember", "bomb", "flood")
 # how a stream still open when the run ended, or one beyond a cap, is answered
 BUSY = {"RESOURCE_EXHAUSTED", "UNAVAILABLE", "CANCELLED", "DEADLINE_EXCEEDED"}
@@ -89,6 +90,12 @@ def test_outsiders_are_refused_by_a_live_swarm_and_change_nothing(tmp_path):
         assert rejects(records, needle), needle
     refused_writers = {e["sender"] for e in rejects(records, "outside the previous round's members")}
     assert refused_writers == {ids["outsider"][:40]}
+
+    # a sybil's record, which names each next round and never announces, is waited for in two rounds at
+    # most by each peer (Decision 47), not in every round
+    waited = Counter((e["peer"], m) for e in events(records, "timeout") if e.get("stage") == "announce"
+                     for m in e.get("missing", []) if m in strangers)
+    assert max(waited.values(), default=0) <= 2, waited
 
     # nobody loaded, resynced to or checkpointed the outsider's state, and φ never followed its votes
     received = events(records, "state_received")

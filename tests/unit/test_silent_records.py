@@ -1,8 +1,9 @@
 """A live record that never announces (a dead peer's until it expires, a sybil's forged `training`
 record, a cut-off peer's from before the cut) costs the rounds one wait of `announce_s`, not one per
-round; its peer is waited for again once its record changes or it posts an announcement
-(ManifestAgreement._silent). Over test_who_counts' in-memory control plane; assertions are on the
-`timeout` events that name who a round waited for, never on durations."""
+round; its peer is waited for again once it posts an announcement, or once its record changes if it
+was seen taking part or missed fewer than two rounds (collectives.silent_records). Over
+test_who_counts' in-memory control plane; assertions are on the `timeout` events that name who a
+round waited for, never on durations."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import threading
 from lowcomm.collectives.config import SyncConfig
 from lowcomm.collectives.base import NotInRound
 from lowcomm.collectives.manifest import Manifest, ManifestAgreement
+from lowcomm.collectives.silent_records import SilentRecords
 from lowcomm.transport.control import PeerRecord
 from lowcomm.transport.round_posts import ANNOUNCE, MANIFEST
 from lowcomm.transport.wakeups import Wakes
@@ -53,6 +55,56 @@ def test_a_record_that_never_announces_costs_one_wait_until_it_changes():
     live["s"] = PeerRecord("s", "s:1", state="training", round=8)  # it moved on: due again
     agreement.agree(GROUP, 8, 1, "fp32")
     assert waited_for(events, 8) == ["s"]
+
+
+def test_a_record_that_names_each_next_round_but_never_announces_costs_two_waits():
+    """A sybil's forged `training` record that moves to each next round and never announces: a changed
+    record makes a peer never seen taking part due again only until it missed two rounds; then only a
+    posted announcement does (or a followed manifest naming it)."""
+    live = {"a": PeerRecord("a", "a:1", state="training", round=5)}
+    agreement, events = lone_peer(live)
+    for round_ in range(5, 10):
+        live["s"] = PeerRecord("s", "s:1", state="training", round=round_)
+        agreement.agree(GROUP, round_, 1, "fp32")
+    assert [waited_for(events, r) for r in range(5, 10)] == [["s"], ["s"], [], [], []]
+    posted = {(ANNOUNCE, GROUP, 9): {"s": {"endpoint": "s:1"}}}  # it announced a round: a peer after all
+    agreement.wakes.posted = lambda kind, group, round_: posted.get((kind, group, round_), {})
+    live["s"] = PeerRecord("s", "s:1", state="training", round=10)
+    agreement.agree(GROUP, 10, 1, "fp32")
+    assert waited_for(events, 10) == ["s"]
+
+
+def test_a_peer_seen_taking_part_is_waited_for_whenever_its_record_moves_on():
+    """A member that missed rounds (slow, resyncing) while no announcement post reaches this peer (a
+    client-mode peer gets none): its record naming each next round makes it due in every round."""
+    live = {"a": PeerRecord("a", "a:1", state="training", round=5)}
+    agreement, events = lone_peer(live)
+    agreement.learn(GROUP, 4, ["a", "m"])  # m took part in round 4
+    for round_ in range(5, 9):
+        live["m"] = PeerRecord("m", "m:1", state="training", round=round_)
+        agreement.agree(GROUP, round_, 1, "fp32")
+    assert [waited_for(events, r) for r in range(5, 9)] == [["m"]] * 4
+
+
+def test_a_peer_seen_announcing_is_due_again_whenever_its_record_moves_on():
+    """A peer a gather saw announcing (though the manifest followed left it out: it came too late for the
+    leader) counts as taking part: its record naming each next round makes it due, however many it missed."""
+    silent = SilentRecords(Wakes.polling(0.0))
+    silent.close(GROUP, 5, {"s": PeerRecord("s", "s:1", state="training", round=5)}, {"s": {"endpoint": "s:1"}}, set())
+    for round_ in range(6, 10):
+        records = {"s": PeerRecord("s", "s:1", state="training", round=round_)}
+        assert silent.silent(GROUP, round_, {"s"}, records) == set()
+        silent.close(GROUP, round_, records, {}, {"s"})  # it missed the round
+
+
+def test_a_record_not_due_in_a_round_keeps_its_misses():
+    """A forged record that skips ahead of a round (not due in it) does not start its count again."""
+    live = {"a": PeerRecord("a", "a:1", state="training", round=5)}
+    agreement, events = lone_peer(live)
+    for round_, at in ((5, 5), (6, 6), (7, 9), (8, 8), (9, 9)):  # at round 7 it names round 9: not due
+        live["s"] = PeerRecord("s", "s:1", state="training", round=at)
+        agreement.agree(GROUP, round_, 1, "fp32")
+    assert [waited_for(events, r) for r in range(5, 10)] == [["s"], ["s"], [], [], []]
 
 
 def test_a_peer_that_missed_a_round_and_announced_it_late_is_waited_for_again():
