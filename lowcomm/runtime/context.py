@@ -87,6 +87,8 @@ class PeerContext:
         self.install_signal_handlers()
         self._serve_metrics()
         self.config, _ = fetch_run_config(self.control, owner_marker_from_text(o.run_key))
+        self.control.max_record_ttl_s = self.config.sync.record_ttl_s
+        self.control.on_reject = lambda writer, reason: self.log.event("reject", sender=writer[:40], reason=reason)
         self.admission = self._admission()
         torch.set_num_threads(1)
         sync = self.config.sync

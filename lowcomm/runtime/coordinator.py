@@ -90,6 +90,7 @@ class Coordinator:
             self.last_checkpoint_round = resumed.round
         self.control = ControlPlane.start(self.identity, run, host=self.dht_host, port=self.dht_port,
                                           announce=self.announce)
+        self.control.max_record_ttl_s = self.config.sync.record_ttl_s
         try:
             return self._serve(run, resumed)
         except BaseException:

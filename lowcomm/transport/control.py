@@ -35,6 +35,8 @@ JOIN_ATTEMPTS, JOIN_RETRY_S = 3, 2.0  # joining through initial peers: tries, an
 RUNS_KEY = "lowcomm.runs"  # every coordinator's run name, so `status` can list the runs a DHT holds
 MAX_RUN_NAME = 128
 TOMBSTONE_MARGIN_S = 30.0  # how much longer than a record its tombstone lives
+CLOCK_AHEAD_S = 60.0  # how far a writer's clock may run ahead of this node's before its record's life is refused
+REPORTED = 4096  # the (writer, reason) pairs reported by `on_reject`, once each
 # hivemind's caching, off: every read here asks for the latest records (latest=True), so a copy pushed to
 # the nearest node after each read (cache_nearest) and the background re-reads of cached keys before they
 # expire (cache_refresh_before_expiry) only cost traffic. Every node a store's or a read's search asks
@@ -123,6 +125,11 @@ class ControlPlane:
         self.calls: Counter[str] = Counter()  # "store peers", "get announce", ...: this node's DHT calls by kind
         self.searches: Counter[str] = Counter()  # "store peers", ...: the calls among them that searched the DHT
         self._peers_held = HeldRecords()  # the peer records read so far, until they expire
+        # a peer record whose expiration lies further ahead than this lifetime, a tombstone's margin and
+        # CLOCK_AHEAD_S is refused: a stranger's record must not outlive its writer (set from sync.record_ttl_s)
+        self.max_record_ttl_s: float | None = None
+        self.on_reject = lambda writer, reason: None  # a record refused: once per writer and reason
+        self._reported: set[tuple[str, str]] = set()
 
     @classmethod
     def start(cls, identity: Identity, run: str, initial_peers: list[str] | None = None,
@@ -226,7 +233,7 @@ class ControlPlane:
             value = getattr(item, "value", None)
             signer = peer_id_of(subkey) if isinstance(subkey, bytes) and subkey.startswith(b"[owner:") else None
             if signer is None or not isinstance(value, dict) or value.get("peer_id") != signer:
-                self.rejected_records += 1
+                self._refuse(signer or "?", "a record whose peer_id is not its signer's")
                 logger.warning("dropped a record under %s whose signer does not match its peer_id", key)
                 continue
             out[signer] = (value, float(getattr(item, "expiration_time", 0.0)))
@@ -285,8 +292,8 @@ class ControlPlane:
         for peer_id, value in self._read(f"{self.run}.stats").items():
             try:
                 out[peer_id] = clean_stats(value.get("stats"))
-            except ValueError:
-                self.rejected_records += 1
+            except ValueError as e:
+                self._refuse(peer_id, f"stats: {e}"[:160])
         return out
 
     def expire_peer(self, ttl: float) -> None:
@@ -296,13 +303,26 @@ class ControlPlane:
     def live_peers(self) -> dict[str, PeerRecord]:
         """The live peer records: a read's, and those earlier reads returned that have not expired since
         (a read can miss a node's records, transport.held_records)."""
+        now, read = get_dht_time(), self._read_entries(f"{self.run}.peers")
+        if self.max_record_ttl_s is not None:
+            latest = now + self.max_record_ttl_s + TOMBSTONE_MARGIN_S + CLOCK_AHEAD_S
+            for writer in [w for w, (_, expiration) in read.items() if expiration > latest]:
+                del read[writer]
+                self._refuse(writer, "a peer record that claims to live longer than the run's record lifetime")
         out = {}
-        for peer_id, value in self._peers_held.merge(self._read_entries(f"{self.run}.peers"), get_dht_time()).items():
+        for peer_id, value in self._peers_held.merge(read, now).items():
             try:
                 out[peer_id] = PeerRecord.from_value(value)
-            except (TypeError, ValueError):
-                self.rejected_records += 1
+            except (TypeError, ValueError) as e:
+                self._refuse(peer_id, f"a malformed peer record: {e}"[:160])
         return out
+
+    def _refuse(self, writer: str, reason: str) -> None:
+        """Drops a record: counted each time, reported (`on_reject`) once per writer and reason."""
+        self.rejected_records += 1
+        if (writer, reason) not in self._reported and len(self._reported) < REPORTED:
+            self._reported.add((writer, reason))
+            self.on_reject(writer, reason)
 
     # ---- the runs this DHT holds ---------------------------------------------------------------
 
@@ -344,12 +364,12 @@ class ControlPlane:
             try:
                 manifest = json.loads(value["manifest"])
             except (KeyError, TypeError, ValueError):
-                self.rejected_records += 1
+                self._refuse(writer, "a manifest record that does not parse")
                 continue
             if isinstance(manifest, dict) and manifest.get("leader") == writer:
                 out[writer] = manifest
             else:
-                self.rejected_records += 1
+                self._refuse(writer, "a manifest that does not name its writer as its leader")
         return out
 
     def publish_phi_hash(self, group: str, round_: int, phi_hash: str, ttl: float) -> None:

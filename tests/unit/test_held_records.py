@@ -68,3 +68,25 @@ def test_live_peers_keeps_a_live_peer_a_thin_read_missed_and_drops_a_left_one(mo
     assert set(control.live_peers()) == {a.peer_id, b.peer_id}
     assert set(control.live_peers()) == {a.peer_id}
     assert set(control.live_peers()) == {a.peer_id}
+
+
+def test_a_peer_record_that_claims_to_outlive_the_runs_lifetime_is_refused_once_reported(monkeypatch):
+    """A stranger's record stored to expire in a year would stay live (and due) long after its writer left:
+    a record claiming more than the run's lifetime, a tombstone's margin and the clock allowance is dropped
+    at every read, counted each time and reported once; a record and a tombstone within it are kept."""
+    a, b, s = Identity.generate(), Identity.generate(), Identity.generate()
+    rec = {n: PeerRecord(i.peer_id, f"{n}:1", state="training").__dict__ for n, i in (("a", a), ("b", b), ("s", s))}
+    monkeypatch.setattr(control_module, "get_dht_time", lambda: 100.0)
+    ttl = 10.0
+    longest = 100.0 + ttl + control_module.TOMBSTONE_MARGIN_S + control_module.CLOCK_AHEAD_S
+    dht = ThinDHT([[(a, rec["a"], 100.0 + ttl), (b, rec["b"], longest), (s, rec["s"], 100.0 + 365 * 86400)]] * 2
+                  + [[(a, {"peer_id": a.peer_id, "gone": True}, 100.0 + ttl + control_module.TOMBSTONE_MARGIN_S)]])
+    control = ControlPlane(dht, Identity.generate(), "run")
+    reports = []
+    control.on_reject = lambda writer, reason: reports.append((writer, reason))
+    control.max_record_ttl_s = ttl
+    assert set(control.live_peers()) == {a.peer_id, b.peer_id}
+    assert set(control.live_peers()) == {a.peer_id, b.peer_id}
+    assert control.rejected_records == 2
+    assert reports == [(s.peer_id, "a peer record that claims to live longer than the run's record lifetime")]
+    assert set(control.live_peers()) == {b.peer_id}  # a's tombstone counts
