@@ -220,6 +220,9 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     planned = rows(args.kinds, args.f, args.aggregates)
     if args.table_only:
+        if not any(args.out.glob("*.json")):  # the rows are not kept in git: keep the table that is there
+            print(f"no rows in {args.out}: run the rows first (without --table-only)", file=sys.stderr)
+            return 1
         print(write_table(args.out, planned, args))
         return 0
     planned_runs = [(*r, args.seed) for r in planned] + [("honest", 0, "default", s) for s in args.noise_seeds]
