@@ -222,7 +222,9 @@ class ManifestAgreement:
 
     def _agree(self, group: str, round_: int, epoch_rounds: int, codec: str, suspects: frozenset[str]) -> Manifest:
         self.announce(group, round_)
-        announcers, complete = self._gather(group, round_, suspects)
+        announcers, complete, settled = self._gather(group, round_, suspects)
+        if settled and self.me not in settled[1].members:  # settled without this peer (Decision 48): catch it up
+            return self._follow(settled[0], group, round_, frozenset())
         self._vouch(group, round_, announcers)
         candidates = sorted(p for p, info in announcers.items() if not info.get("ahead") and self.admits(p))
         trusted = self.trusted(group, round_)
@@ -283,19 +285,24 @@ class ManifestAgreement:
             return None
         return short_of_quorum(self.me, previous, members, self.reads.live())
 
-    def _gather(self, group: str, round_: int, suspects: frozenset[str]) -> tuple[dict[str, dict], bool]:
-        """Announcers, once every live peer due in this round has reached it or `announce_s` passed, and
-        whether every due peer had. The first look wakes the due peers (they may wait on this one).
+    def _gather(self, group: str, round_: int,
+                suspects: frozenset[str]) -> tuple[dict[str, dict], bool, tuple[dict, Manifest] | None]:
+        """Announcers, once every live peer due in this round has reached it or `announce_s` passed, whether
+        every due peer had, and the (manifests, manifest) that ended the wait, if one did. The first look
+        wakes the due peers (they may wait on this one).
 
         A peer that only announced ahead (still training towards the round) is waited for up to
         `announce_s` like one that has not announced, but then stays a member, without a shard.
         A manifest already written settles the round: it ends the wait once every due peer announced, at
         once if it names this peer (a joiner no announcement post reached), and at once if a previous
         member wrote it (a peer a round behind: it is not in it, and catches the round up, Decision 48).
+        It is looked for (posted, and in the DHT at its poll) once every due peer announced, once one is
+        posted here, at the deadline, and once a previous member's record names a later round (the run
+        moved past the round: the DHT at once, one read).
         A live record that missed a round and stayed silent since is not waited for
         (collectives.silent_records): a dead peer's record until it expires, a cut-off peer's from before
         the cut and a forged one cost one or two waits, not one per round."""
-        deadline = time.monotonic() + self.sync.announce_s
+        deadline, read_past = time.monotonic() + self.sync.announce_s, False
         while True:
             late = time.monotonic() >= deadline  # the round may go on without a peer: the DHT's records too
             announcers = {p: info for p, info in self.reads.announcers(group, round_, fresh=late).items()
@@ -307,23 +314,30 @@ class ManifestAgreement:
             due -= self.silent.silent(group, round_, due, records)
             present = {p for p, info in announcers.items() if not info.get("ahead")} | {self.me}
             announced = due <= set(announcers) | {self.me}
-            settled = self._settled(group, round_) if not due <= present else None  # the DHT's at its poll
+            trusted = self.trusted(group, round_)
+            past = trusted is not None and any(records[p].round > round_ for p in trusted & records.keys())
+            look = not due <= present and (announced or late or past or self.wakes.posted(MANIFEST, group, round_))
+            fresh, read_past = past and not read_past, read_past or past
+            manifests, settled = self._settled(group, round_, fresh) if look else ({}, None)
             if due <= present or late or (settled is not None and (announced or self.me in settled.members
-                                                                    or self.trusted(group, round_) is not None)):
+                                                                    or trusted is not None)):
                 missing = due - set(announcers) - {self.me} - set(settled.members if settled else ())
                 if missing:  # a live record that never announced (dead, or late): the round goes on without it
-                    self.on_event("timeout", round=round_, stage="announce", missing=sorted(missing))
+                    self.on_event("timeout", round=round_, stage="announce", missing=sorted(missing),
+                                  **({} if late else {"settled": True}))  # no wait: the manifest was there
                 self.silent.close(group, round_, records, announcers, missing)
                 announcers[self.me] = self._presence
-                return announcers, due <= present
+                return announcers, due <= present, (manifests, settled) if settled is not None else None
             self.wakes.wait(group, round_, deadline - time.monotonic())
 
-    def _settled(self, group: str, round_: int) -> Manifest | None:
-        """The round's manifest from a previous member (any writer's without one), if one exists: a stranger's
-        does not end the wait, nor is it refused here (a fallback writer's counts later in `_agree`)."""
+    def _settled(self, group: str, round_: int, fresh: bool = False) -> tuple[dict[str, dict], Manifest | None]:
+        """The round's manifests from previous members (any writer's without one) and the one to follow, if
+        one exists: a stranger's does not end the wait, nor is it refused here (a fallback writer's counts
+        later in `_agree`)."""
         trusted = self.trusted(group, round_)
-        manifests = {w: m for w, m in self.reads.manifests(group, round_).items() if trusted is None or w in trusted}
-        return self._pick(manifests, group, round_) if manifests else None
+        manifests = {w: m for w, m in self.reads.manifests(group, round_, fresh).items()
+                     if trusted is None or w in trusted}
+        return manifests, self._pick(manifests, group, round_) if manifests else None
 
     def _members(self, group: str, round_: int, announcers: dict[str, dict]) -> list[str]:
         """The members a manifest of these announcers names: the well-formed ones the run admits."""

@@ -10,11 +10,11 @@ from __future__ import annotations
 import threading
 
 from lowcomm.collectives.config import SyncConfig
-from lowcomm.collectives.base import NotInRound
+from lowcomm.collectives.base import CollectiveError, NotInRound
 from lowcomm.collectives.manifest import Manifest, ManifestAgreement
 from lowcomm.collectives.silent_records import SilentRecords
 from lowcomm.transport.control import PeerRecord
-from lowcomm.transport.round_posts import ANNOUNCE, MANIFEST
+from lowcomm.transport.round_posts import ANNOUNCE, MANIFEST, RoundPosts
 from lowcomm.transport.wakeups import Wakes
 from unit.test_who_counts import MemoryControl
 
@@ -159,28 +159,60 @@ def test_a_peer_missed_in_a_round_whose_manifest_names_it_is_waited_for_next_rou
     assert [waited_for(events, r) for r in (5, 6)] == [["b"], ["b"]]
 
 
-def test_a_peer_a_round_behind_stops_waiting_once_a_previous_member_wrote_the_round():
-    """A peer that enters a round the others already settled (a joiner whose state arrived while the
-    round was in flight) goes on as soon as it sees the manifest a previous member wrote without it, and
-    catches the round up (NotInRound), instead of waiting `announce_s` for a live record that never
-    announces (a sybil's). Its `announce_s` is an hour: only the manifest can end the wait in time."""
+def behind(j_learnt: bool, writer: str, sync: SyncConfig) -> tuple[ManifestAgreement, list, list]:
+    """Peer j, posting, its DHT poll never due: a and b (the previous members) are past round 5 and a
+    manifest of round 5 by ``writer`` without j is stored; s, a sybil's record, is due and never announces.
+    Answers j's agreement (with its anchor's members a and b learnt if ``j_learnt``), its events and what
+    its agree of round 5 raised, run in a thread up to WAIT_S."""
     store, ids = {}, ["a", "b"]
-    live = {p: PeerRecord(p, f"{p}:1", state="training", round=5) for p in [*ids, "j", "s"]}
-    written = Manifest("run", GROUP, 5, 1, "a", ids, {p: f"{p}:1" for p in ids}, ids, "fp32")
-    MemoryControl("a", store, live).publish_manifest(GROUP, 5, written.to_dict(), 60)  # stored, posted to a, b only
+    live = {p: PeerRecord(p, f"{p}:1", state="training", round=6) for p in ids}
+    live |= {p: PeerRecord(p, f"{p}:1", state="training", round=5) for p in ("j", "s")}
+    written = Manifest("run", GROUP, 5, 1, writer, ids, {p: f"{p}:1" for p in ids}, ids, "fp32")
+    MemoryControl(writer, store, live).publish_manifest(GROUP, 5, written.to_dict(), 60)  # posted to a, b only
     events, outcome = [], []
-    agreement = ManifestAgreement(MemoryControl("j", store, live), SyncConfig(announce_s=NEVER_S, manifest_s=0.2),
-                                  "j:1", wakes=Wakes.polling(0.01), on_event=lambda kind, **f: events.append((kind, f)))
-    agreement.learn(GROUP, 4, ids)  # the anchor it joined from
+    wakes = Wakes(None, None, 0.01, posts=RoundPosts("run"), dht_poll_s=NEVER_S)  # the DHT read only when fresh
+    agreement = ManifestAgreement(MemoryControl("j", store, live), sync, "j:1", wakes=wakes,
+                                  on_event=lambda kind, **f: events.append((kind, f)))
+    if j_learnt:
+        agreement.learn(GROUP, 4, ids)  # the anchor it joined from
 
     def agree():
         try:
-            agreement.agree(GROUP, 5, 1, "fp32")
-        except NotInRound as e:
+            outcome.append(agreement.agree(GROUP, 5, 1, "fp32"))
+        except CollectiveError as e:
             outcome.append(e)
 
     thread = threading.Thread(target=agree, daemon=True)
     thread.start()
     thread.join(WAIT_S)
-    assert outcome and outcome[0].manifest.members == ids
-    assert waited_for(events, 5) == ["s"]  # went on without the silent record, named once
+    return agreement, events, outcome
+
+
+def announce_timeouts(events: list, round_: int) -> list[dict]:
+    return [f for kind, f in events if kind == "timeout" and f.get("stage") == "announce" and f["round"] == round_]
+
+
+def test_a_peer_a_round_behind_stops_waiting_once_a_previous_member_wrote_the_round():
+    """A peer that reaches a round the others already settled (a joiner whose state arrived while the round
+    was in flight) reads the DHT's manifests once it sees a previous member's record past the round, and
+    goes on with the manifest that leaves it out (NotInRound: it catches the round up) instead of waiting
+    `announce_s` for a record that never announces. Its `announce_s` is an hour: only the manifest can end
+    the wait in time, and only a fresh read finds it (the DHT's poll is never due)."""
+    _, events, outcome = behind(True, "a", SyncConfig(announce_s=NEVER_S, manifest_s=0.2))
+    assert outcome and isinstance(outcome[0], NotInRound) and outcome[0].manifest.members == ["a", "b"]
+    assert announce_timeouts(events, 5) == [{"round": 5, "stage": "announce", "missing": ["s"], "settled": True}]
+
+
+def test_a_strangers_manifest_of_the_round_does_not_end_the_wait():
+    """The same, the stored manifest a stranger's (x): it is no previous member, so the wait runs to its end."""
+    _, events, outcome = behind(True, "x", SyncConfig(announce_s=0.3, manifest_s=0.2))
+    assert outcome and type(outcome[0]) is CollectiveError  # x's manifest never counted; j wrote none that did
+    assert announce_timeouts(events, 5) == [{"round": 5, "stage": "announce", "missing": ["s"]}]
+    assert any(kind == "reject" and f["sender"] == "x" for kind, f in events)
+
+
+def test_a_peer_that_knows_no_previous_manifest_waits_to_the_end():
+    """Without an anchor every writer counts, so no manifest that leaves this peer out ends its wait early."""
+    _, events, outcome = behind(False, "a", SyncConfig(announce_s=0.3, manifest_s=0.2))
+    assert outcome and isinstance(outcome[0], NotInRound)
+    assert announce_timeouts(events, 5) == [{"round": 5, "stage": "announce", "missing": ["s"]}]
