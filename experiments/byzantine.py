@@ -13,7 +13,8 @@ them with a TOML of your own, layered on the embedded default) so that one row t
 two on 2 cores.
 
 Per row: the honest peers' final held-out loss (the report's `final_loss`, Byzantine members' own
-left out), its gap in % to the honest row under the default aggregate, the owners' `reject` events,
+left out), its gap in % to the honest row under the default aggregate, the peers' `reject` events
+(the owners' refusals of parts, and records refused as the DHT returned them),
 the rounds in which some member was left out (a `timeout` event: its part was refused or late), the
 longest round's sync time against the reduce deadline (a round past it is a stall; "did not
 finish": a non-zero exit, a missing report, or fewer rounds than planned), the Byzantine members'
@@ -126,7 +127,8 @@ def figures(report: dict) -> dict:
             "byzantine_events": sum(e["kind"] == "byzantine" for e in events),
             "timeout_rounds": timeouts, "longest_sync_s": max((r["sync_s"] for r in report["rounds"]), default=None),
             "mean_sync_s": statistics.fmean([r["sync_s"] for r in report["rounds"]]) if report["rounds"] else None,
-            "announce_waits": sum(e["kind"] == "timeout" and e.get("stage") == "announce" for e in events),
+            "announce_waits": sum(e["kind"] == "timeout" and e.get("stage") == "announce" and not e.get("settled")
+                                  for e in events),
             "wall_s": report["wall_s"], "startup_s": report["startup_s"],
             "failed_peers": report.get("failed_peers", [])}
 
@@ -165,7 +167,7 @@ def write_table(out: Path, planned: list[tuple[str, int, str]], args) -> str:
              "aggregate. Left out: rounds in which some member was left out (its part refused or late); "
              "longest sync: the slowest round's sync time against the reduce deadline (past it: a stall); "
              "announce waits: the peer-rounds whose gather waited `sync.announce_s` for a record that did not "
-             "announce.", ""]
+             "announce (not those that ended on the round's manifest).", ""]
     noise = {s: done.get(("honest", 0, "default", *same[:3], s), {}).get("final_loss")
              for s in [args.seed, *args.noise_seeds]}
     if len(noise) > 1 and all(v is not None for v in noise.values()) and base:

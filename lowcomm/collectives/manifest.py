@@ -223,8 +223,8 @@ class ManifestAgreement:
     def _agree(self, group: str, round_: int, epoch_rounds: int, codec: str, suspects: frozenset[str]) -> Manifest:
         self.announce(group, round_)
         announcers, complete, settled = self._gather(group, round_, suspects)
-        if settled and self.me not in settled[1].members:  # settled without this peer (Decision 48): catch it up
-            return self._follow(settled[0], group, round_, frozenset())
+        if settled and self._previous(group, round_) is not None:  # a previous member wrote it (Decision 48)
+            return self._follow(settled[0], group, round_, frozenset())  # this peer in it or not (then: catch up)
         self._vouch(group, round_, announcers)
         candidates = sorted(p for p, info in announcers.items() if not info.get("ahead") and self.admits(p))
         trusted = self.trusted(group, round_)
@@ -385,7 +385,7 @@ class ManifestAgreement:
         if manifest is None or manifest.leader not in settled:
             # A brief second look lets a lower-id leader's manifest that raced this one win everywhere.
             time.sleep(POLL_S * 2)
-            manifests = self.reads.manifests(group, round_, fresh=True) or manifests
+            manifests = {**manifests, **self.reads.manifests(group, round_, fresh=True)}  # a thin read drops none
             manifest = self._pick(manifests, group, round_, fallback)
         if manifest is None:
             raise CollectiveError(f"round {round_}: every manifest that counts was malformed")

@@ -12,6 +12,7 @@ import concurrent.futures
 import json
 import logging
 import math
+import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -35,7 +36,7 @@ JOIN_ATTEMPTS, JOIN_RETRY_S = 3, 2.0  # joining through initial peers: tries, an
 RUNS_KEY = "lowcomm.runs"  # every coordinator's run name, so `status` can list the runs a DHT holds
 MAX_RUN_NAME = 128
 TOMBSTONE_MARGIN_S = 30.0  # how much longer than a record its tombstone lives
-CLOCK_AHEAD_S = 60.0  # how far a writer's clock may run ahead of this node's before its record's life is refused
+CLOCK_AHEAD_S = 300.0  # how far a writer's clock may run ahead of this node's before its record's life is refused
 REPORTED = 4096  # the (writer, reason) pairs reported by `on_reject`, once each
 # hivemind's caching, off: every read here asks for the latest records (latest=True), so a copy pushed to
 # the nearest node after each read (cache_nearest) and the background re-reads of cached keys before they
@@ -99,16 +100,21 @@ class PeerRecord:
         record = cls(**known)
         if not isinstance(record.peer_id, str) or not isinstance(record.endpoint, str):
             raise ValueError("peer record has no peer_id or endpoint")
-        record.round, record.step, record.stage = int(record.round), int(record.step), int(record.stage)
-        record.rollback_to, record.rollback_at = int(record.rollback_to), int(record.rollback_at)
+        try:  # int(inf) raises OverflowError
+            record.round, record.step, record.stage = int(record.round), int(record.step), int(record.stage)
+            record.rollback_to, record.rollback_at = int(record.rollback_to), int(record.rollback_at)
+        except OverflowError:
+            raise ValueError("peer record holds a non-finite count") from None
         record.throughput, record.grad_norm, record.done_at = (float(record.throughput), float(record.grad_norm),
                                                                float(record.done_at))
         record.loss, record.loss_kind = float(record.loss), str(record.loss_kind)[:16]
+        record.heartbeat = float(record.heartbeat)
         record.state, record.stage_state = short_label(record.state), short_label(record.stage_state)
         record.device, record.link = short_label(record.device), short_label(record.link)
         if not isinstance(record.token, str) or len(record.token) > MAX_TOKEN_CHARS:
             raise ValueError("peer record's token is not a string of a join token's size")
-        if not all(map(math.isfinite, (record.throughput, record.grad_norm, record.done_at, record.loss))):
+        if not all(map(math.isfinite, (record.throughput, record.grad_norm, record.done_at, record.loss,
+                                       record.heartbeat))):
             raise ValueError("peer record holds a non-finite number")
         return record
 
@@ -125,11 +131,10 @@ class ControlPlane:
         self.calls: Counter[str] = Counter()  # "store peers", "get announce", ...: this node's DHT calls by kind
         self.searches: Counter[str] = Counter()  # "store peers", ...: the calls among them that searched the DHT
         self._peers_held = HeldRecords()  # the peer records read so far, until they expire
-        # a peer record whose expiration lies further ahead than this lifetime, a tombstone's margin and
-        # CLOCK_AHEAD_S is refused: a stranger's record must not outlive its writer (set from sync.record_ttl_s)
-        self.max_record_ttl_s: float | None = None
+        self.max_record_ttl_s: float | None = None  # sync.record_ttl_s: a peer record claiming more is refused
         self.on_reject = lambda writer, reason: None  # a record refused: once per writer and reason
         self._reported: set[tuple[str, str]] = set()
+        self._refusals = threading.Lock()
 
     @classmethod
     def start(cls, identity: Identity, run: str, initial_peers: list[str] | None = None,
@@ -293,7 +298,7 @@ class ControlPlane:
             try:
                 out[peer_id] = clean_stats(value.get("stats"))
             except ValueError as e:
-                self._refuse(peer_id, f"stats: {e}"[:160])
+                self._refuse(peer_id, "malformed stats", str(e))
         return out
 
     def expire_peer(self, ttl: float) -> None:
@@ -303,10 +308,11 @@ class ControlPlane:
     def live_peers(self) -> dict[str, PeerRecord]:
         """The live peer records: a read's, and those earlier reads returned that have not expired since
         (a read can miss a node's records, transport.held_records)."""
-        now, read = get_dht_time(), self._read_entries(f"{self.run}.peers")
+        read = self._read_entries(f"{self.run}.peers")
+        now = get_dht_time()  # after the read, which may take DHT_CALL_S
         if self.max_record_ttl_s is not None:
             latest = now + self.max_record_ttl_s + TOMBSTONE_MARGIN_S + CLOCK_AHEAD_S
-            for writer in [w for w, (_, expiration) in read.items() if expiration > latest]:
+            for writer in [w for w, (_, expiration) in read.items() if not expiration <= latest]:  # NaN too
                 del read[writer]
                 self._refuse(writer, "a peer record that claims to live longer than the run's record lifetime")
         out = {}
@@ -314,14 +320,19 @@ class ControlPlane:
             try:
                 out[peer_id] = PeerRecord.from_value(value)
             except (TypeError, ValueError) as e:
-                self._refuse(peer_id, f"a malformed peer record: {e}"[:160])
+                self._refuse(peer_id, "a malformed peer record", str(e))
         return out
 
-    def _refuse(self, writer: str, reason: str) -> None:
-        """Drops a record: counted each time, reported (`on_reject`) once per writer and reason."""
-        self.rejected_records += 1
-        if (writer, reason) not in self._reported and len(self._reported) < REPORTED:
-            self._reported.add((writer, reason))
+    def _refuse(self, writer: str, reason: str, detail: str = "") -> None:
+        """Drops a record: counted each time, reported (`on_reject`) once per writer and reason, a fixed text
+        (``detail``, which may quote the record, goes to the debug log only)."""
+        logger.debug("refused a record of %s: %s %s", writer[:40], reason, detail[:200])
+        with self._refusals:
+            self.rejected_records += 1
+            report = (writer, reason) not in self._reported and len(self._reported) < REPORTED
+            if report:
+                self._reported.add((writer, reason))
+        if report:
             self.on_reject(writer, reason)
 
     # ---- the runs this DHT holds ---------------------------------------------------------------

@@ -159,19 +159,23 @@ def test_a_peer_missed_in_a_round_whose_manifest_names_it_is_waited_for_next_rou
     assert [waited_for(events, r) for r in (5, 6)] == [["b"], ["b"]]
 
 
-def behind(j_learnt: bool, writer: str, sync: SyncConfig) -> tuple[ManifestAgreement, list, list]:
-    """Peer j, posting, its DHT poll never due: a and b (the previous members) are past round 5 and a
-    manifest of round 5 by ``writer`` without j is stored; s, a sybil's record, is due and never announces.
-    Answers j's agreement (with its anchor's members a and b learnt if ``j_learnt``), its events and what
-    its agree of round 5 raised, run in a thread up to WAIT_S."""
+def behind(j_learnt: bool, writer: str, sync: SyncConfig, posted: bool = False) -> tuple[list, list]:
+    """Peer j, posting, its DHT poll never due: a and b (the previous members) posted their announcements of
+    round 5 and are past it, and a manifest of round 5 by ``writer`` without j is stored (also posted to j
+    if ``posted``); s, a sybil's record, is due and never announces. Answers j's events and what its agree
+    of round 5 gave or raised (in a thread, up to WAIT_S); j knows a and b as its anchor's members if
+    ``j_learnt``."""
     store, ids = {}, ["a", "b"]
     live = {p: PeerRecord(p, f"{p}:1", state="training", round=6) for p in ids}
     live |= {p: PeerRecord(p, f"{p}:1", state="training", round=5) for p in ("j", "s")}
-    written = Manifest("run", GROUP, 5, 1, writer, ids, {p: f"{p}:1" for p in ids}, ids, "fp32")
-    MemoryControl(writer, store, live).publish_manifest(GROUP, 5, written.to_dict(), 60)  # posted to a, b only
+    announced = {p: {"peer_id": p, "endpoint": f"{p}:1"} for p in ids}  # posted to j as well
+    written = Manifest("run", GROUP, 5, 1, writer, ids, {p: f"{p}:1" for p in ids}, ids, "fp32").to_dict()
+    MemoryControl(writer, store, live).publish_manifest(GROUP, 5, written, 60)
     events, outcome = [], []
     wakes = Wakes(None, None, 0.01, posts=RoundPosts("run"), dht_poll_s=NEVER_S)  # the DHT read only when fresh
-    agreement = ManifestAgreement(MemoryControl("j", store, live), sync, "j:1", wakes=wakes,
+    posts = {(ANNOUNCE, 5): announced, (MANIFEST, 5): {writer: written} if posted else {}}
+    wakes.posted = lambda kind, group, round_: posts.get((kind, round_), {})
+    agreement = ManifestAgreement(PostedControl("j", store, live), sync, "j:1", wakes=wakes,
                                   on_event=lambda kind, **f: events.append((kind, f)))
     if j_learnt:
         agreement.learn(GROUP, 4, ids)  # the anchor it joined from
@@ -185,7 +189,7 @@ def behind(j_learnt: bool, writer: str, sync: SyncConfig) -> tuple[ManifestAgree
     thread = threading.Thread(target=agree, daemon=True)
     thread.start()
     thread.join(WAIT_S)
-    return agreement, events, outcome
+    return events, outcome
 
 
 def announce_timeouts(events: list, round_: int) -> list[dict]:
@@ -195,24 +199,28 @@ def announce_timeouts(events: list, round_: int) -> list[dict]:
 def test_a_peer_a_round_behind_stops_waiting_once_a_previous_member_wrote_the_round():
     """A peer that reaches a round the others already settled (a joiner whose state arrived while the round
     was in flight) reads the DHT's manifests once it sees a previous member's record past the round, and
-    goes on with the manifest that leaves it out (NotInRound: it catches the round up) instead of waiting
-    `announce_s` for a record that never announces. Its `announce_s` is an hour: only the manifest can end
-    the wait in time, and only a fresh read finds it (the DHT's poll is never due)."""
-    _, events, outcome = behind(True, "a", SyncConfig(announce_s=NEVER_S, manifest_s=0.2))
+    goes straight on with the manifest that leaves it out (NotInRound: it catches the round up) instead of
+    waiting `announce_s` for a record that never announces. Its `announce_s` and `manifest_s` are an hour:
+    only the manifest can end the wait, only a fresh read finds it (the DHT's poll is never due), and only
+    following it at once ends the round (its candidate turn, after a's and b's, never comes)."""
+    events, outcome = behind(True, "a", SyncConfig(announce_s=NEVER_S, manifest_s=NEVER_S))
     assert outcome and isinstance(outcome[0], NotInRound) and outcome[0].manifest.members == ["a", "b"]
     assert announce_timeouts(events, 5) == [{"round": 5, "stage": "announce", "missing": ["s"], "settled": True}]
 
 
 def test_a_strangers_manifest_of_the_round_does_not_end_the_wait():
-    """The same, the stored manifest a stranger's (x): it is no previous member, so the wait runs to its end."""
-    _, events, outcome = behind(True, "x", SyncConfig(announce_s=0.3, manifest_s=0.2))
-    assert outcome and type(outcome[0]) is CollectiveError  # x's manifest never counted; j wrote none that did
+    """The same, the stored manifest a stranger's (x), posted to j as well: no previous member wrote it, so
+    the wait runs to its end and j never follows it."""
+    events, outcome = behind(True, "x", SyncConfig(announce_s=0.3, manifest_s=0.2), posted=True)
     assert announce_timeouts(events, 5) == [{"round": 5, "stage": "announce", "missing": ["s"]}]
     assert any(kind == "reject" and f["sender"] == "x" for kind, f in events)
+    followed = outcome[0].manifest if isinstance(outcome[0], NotInRound) else outcome[0] if outcome else None
+    assert not isinstance(followed, Manifest) or followed.leader != "x"
 
 
 def test_a_peer_that_knows_no_previous_manifest_waits_to_the_end():
-    """Without an anchor every writer counts, so no manifest that leaves this peer out ends its wait early."""
-    _, events, outcome = behind(False, "a", SyncConfig(announce_s=0.3, manifest_s=0.2))
-    assert outcome and isinstance(outcome[0], NotInRound)
+    """Without an anchor every writer counts, so a manifest posted to this peer that leaves it out does not
+    end its wait while a due peer is missing; it is followed only once the wait ran out."""
+    events, outcome = behind(False, "a", SyncConfig(announce_s=0.3, manifest_s=0.2), posted=True)
     assert announce_timeouts(events, 5) == [{"round": 5, "stage": "announce", "missing": ["s"]}]
+    assert outcome and isinstance(outcome[0], NotInRound) and outcome[0].manifest.leader == "a"
