@@ -26,9 +26,11 @@ import threading
 import time
 
 import torch
+from hivemind.utils import get_dht_time
 
 from lowcomm.config import ConfigError
 from lowcomm.runtime.admission import Admission, load_key
+from lowcomm.runtime.clock_check import clock_warning
 from lowcomm.runtime.faults import FaultPlan
 from lowcomm.runtime.metrics import PeerMetrics
 from lowcomm.runtime.peer_stats import PeerStats
@@ -138,12 +140,15 @@ class PeerContext:
     def _decide_client_mode(self) -> bool:
         """--client-mode / --no-client-mode, else a dial-back through a helper (runtime.reachability);
         the decision is logged as a `reachability` event, and a warning it gives as a `warning` event."""
-        forced = self.options.client_mode
-        endpoints = helpers(self.control.live_peers(), self.me, self.service.checkpointer) if forced is None else []
+        forced, records = self.options.client_mode, self.control.live_peers()
+        endpoints = helpers(records, self.me, self.service.checkpointer) if forced is None else []
         verdict = decide(forced, endpoints, dial_back(self.channels, self.traffic, self.me, self.endpoint))
-        warning = explain(verdict, self.endpoint)
-        if warning is not None:
-            self.log.event("warning", about="reachability", message=warning[:500])
+        clock = clock_warning(records.get(self.service.checkpointer), get_dht_time(), self.config.sync.record_ttl_s)
+        for about, warning in (("reachability", explain(verdict, self.endpoint)), ("clock", clock)):
+            if warning is not None:
+                self.log.event("warning", about=about, message=warning[:500])
+        if clock is not None:
+            print(f"peer {self.me}: warning: {clock}", file=sys.stderr, flush=True)
         try:
             dht = self.control.visible_maddrs()
         except Exception as e:  # hivemind's ValueError when p2pd reports none: the record must not fail the join
