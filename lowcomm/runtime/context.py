@@ -100,7 +100,9 @@ class PeerContext:
         self.server, port = start_server(self.service, o.host, o.port, sync.chunk_bytes, max_workers=SERVER_THREADS)
         self.endpoint = grpc_endpoint(o.host, port, o.announce_addr)
         self.service.checkpointer = peer_id_of(owner_marker_from_text(o.run_key))  # the coordinator
-        self.client_mode = self._decide_client_mode()
+        records = self.control.live_peers()  # one read for both checks
+        self._check_clock(records)
+        self.client_mode = self._decide_client_mode(records)
         self.holder = StateHolder(o.run_name, sync.chunk_bytes)
         self.service.state_handler = self.holder.serve
         self.wake_sender = WakeSender(self.channels, self.traffic)
@@ -137,18 +139,23 @@ class PeerContext:
         admission.check_joiner(self.me, o.token, o.key_file)
         return admission
 
-    def _decide_client_mode(self) -> bool:
-        """--client-mode / --no-client-mode, else a dial-back through a helper (runtime.reachability);
-        the decision is logged as a `reachability` event, and a warning it gives as a `warning` event."""
-        forced, records = self.options.client_mode, self.control.live_peers()
+    def _check_clock(self, records: dict) -> None:
+        """A `warning` event, also on stderr, when this clock is surely off the coordinator's (runtime.clock_check)."""
+        clock = clock_warning(records.get(self.service.checkpointer), get_dht_time(), self.config.sync.record_ttl_s)
+        if clock is not None:
+            self.log.event("warning", about="clock", message=clock[:500])
+            print(f"peer {self.me}: warning: {clock}", file=sys.stderr, flush=True)
+
+    def _decide_client_mode(self, records: dict) -> bool:
+        """--client-mode / --no-client-mode, else a dial-back through a helper (runtime.reachability) among
+        the live ``records``; the decision is logged as a `reachability` event, and a warning it gives as a
+        `warning` event."""
+        forced = self.options.client_mode
         endpoints = helpers(records, self.me, self.service.checkpointer) if forced is None else []
         verdict = decide(forced, endpoints, dial_back(self.channels, self.traffic, self.me, self.endpoint))
-        clock = clock_warning(records.get(self.service.checkpointer), get_dht_time(), self.config.sync.record_ttl_s)
-        for about, warning in (("reachability", explain(verdict, self.endpoint)), ("clock", clock)):
-            if warning is not None:
-                self.log.event("warning", about=about, message=warning[:500])
-        if clock is not None:
-            print(f"peer {self.me}: warning: {clock}", file=sys.stderr, flush=True)
+        warning = explain(verdict, self.endpoint)
+        if warning is not None:
+            self.log.event("warning", about="reachability", message=warning[:500])
         try:
             dht = self.control.visible_maddrs()
         except Exception as e:  # hivemind's ValueError when p2pd reports none: the record must not fail the join
