@@ -56,6 +56,7 @@ VARIANTS = {  # name: (run.algo, extra `simulate` flags[, run-config overrides])
     "diloco-overlap": ("diloco", ["--overlap"]),  # the default rule, momentum
     "diloco-overlap-delayed": ("diloco", ["--overlap"], {"diloco.overlap_update": "delayed"}),
     "diloco-overlap-eager": ("diloco", ["--overlap"], {"diloco.overlap_update": "eager"}),
+    "diloco-overlap-projected": ("diloco", ["--overlap"], {"diloco.overlap_update": "projected"}),
     "streaming-diloco": ("streaming-diloco", []),
     "demo": ("demo", []),
     "sparseloco": ("sparseloco", []),

@@ -81,6 +81,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "noloco.inner_steps": _AT_LEAST_1, "noloco.group_size": _AT_LEAST_1, "noloco.outer_lr": _POSITIVE,
     "noloco.momentum": _UNIT_OPEN,
     "ddp.epoch_steps": _AT_LEAST_1,
+    **{f"{s}.overlap_lead": (lambda v: 0 < v <= 1, "in (0, 1]") for s in ("diloco", "sparseloco")},
     **{f"sync.{k}": _POSITIVE for k in ("announce_s", "manifest_s", "reduce_timeout_s", "heartbeat_s")},
     "sync.record_ttl_s": _POSITIVE, "sync.chunk_bytes": _AT_LEAST_1,
     "sync.zstd_level": (lambda v: 0 <= v <= MAX_ZSTD_LEVEL, f"in [0, {MAX_ZSTD_LEVEL}] (0: off)"),

@@ -17,6 +17,9 @@ the outer optimizer's state as it is, which it leaves unchanged.
   own progress, as "delayed" does.
 - "eager": s_{t+1} = OuterOpt(φ_{t−1}, Δ_t): the whole outer step, on this replica's own Δ_t
   standing in for the average Δ̄_t still in flight (after Kale, Douillard, Donchev 2025).
+- "projected" (`Projected`): s_{t+1} = OuterOpt(φ_{t−1}, â·Δ_t), the outer step on the own Δ_t
+  scaled by â, the share of it the last rounds' agreed steps carried: each landed round measures
+  the â that would have put its start on the φ it agreed, and â follows those measures.
 φ itself is stepped only with the agreed averages, so it stays identical on every replica whatever
 the rule, and with gradients independent of θ the φ sequence is plain DiLoCo's.
 
@@ -28,13 +31,14 @@ returns the new φ.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 Params = Sequence[torch.Tensor]
-UPDATES = ("momentum", "delayed", "eager")  # the overlap's update rules (`diloco.overlap_update`)
+UPDATES = ("momentum", "delayed", "eager", "projected")  # the overlap's update rules (`diloco.overlap_update`)
 
 
 def progress(start: Params, end: Params) -> list[torch.Tensor]:
@@ -47,17 +51,75 @@ def next_start(phi: Params, own_progress: Params) -> list[torch.Tensor]:
     return [p.detach().float() - d for p, d in zip(phi, own_progress)]
 
 
-def start_rule(update: str, preview: Callable[[Params, list[torch.Tensor]], list[torch.Tensor]]
-               ) -> Callable[[Params, list[torch.Tensor]], list[torch.Tensor]]:
-    """``start_from(φ, Δ_t)`` of the rule ``update`` (one of UPDATES); ``preview(φ, g)``: φ after an
-    outer step on g, the outer optimizer's state read and left as it is."""
+class StartRule:
+    """``start_from(φ, Δ_t)`` of a rule, told when a round lands (``observe``) and when the start it made
+    no longer applies (``forget``: the replica took a downloaded state). The fixed rules ignore both."""
+
+    def __init__(self, start_from: Callable[[Params, list[torch.Tensor]], list[torch.Tensor]] | None = None):
+        self._start_from = start_from
+
+    def __call__(self, phi: Params, delta: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self._start_from(phi, delta)
+
+    def observe(self, phi: Params) -> None:
+        """The round whose reduce was in flight landed on ``phi``."""
+
+    def forget(self) -> None:
+        """The start made last is no estimate of any round to land."""
+
+
+def start_rule(update: str, preview: Callable[[Params, list[torch.Tensor]], list[torch.Tensor]]) -> StartRule:
+    """The rule ``update`` (one of UPDATES); ``preview(φ, g)``: φ after an outer step on g, the outer
+    optimizer's state read and left as it is."""
     if update == "delayed":
-        return next_start
+        return StartRule(next_start)
     if update == "momentum":  # the step's part that no gradient changes: ημ²·m for Nesterov SGD
-        return lambda phi, delta: next_start(preview(phi, [torch.zeros_like(d) for d in delta]), delta)
+        return StartRule(lambda phi, delta: next_start(preview(phi, [torch.zeros_like(d) for d in delta]), delta))
     if update == "eager":
-        return preview
+        return StartRule(preview)
+    if update == "projected":
+        return Projected(preview)
     raise ValueError(f"overlap update {update!r}: one of {', '.join(UPDATES)}")
+
+
+class Projected(StartRule):
+    """s_{t+1} = OuterOpt(φ_{t−1}, â·Δ_t): the rule "projected".
+
+    The outer steps here (Nesterov SGD, SparseLoCo's plain one) are affine in their gradient, so the
+    starts on offer are P₀ + a·D with P₀ = OuterOpt(φ_{t−1}, 0) and D = OuterOpt(φ_{t−1}, Δ_t) − P₀.
+    Once round t lands on φ_t, ``observe`` measures the a that lies nearest it,
+    a* = â + ⟨φ_t − s_{t+1}, D⟩ / ⟨D, D⟩ (the own progress projected on the agreed step), and â moves
+    a share ``follow`` of the way to it. Peers whose own Δ_t say less of the average (more peers,
+    noisier shards, later in training) thus start nearer φ_{t−1}. â starts at ``first`` and stays
+    within [0, ``most``]; a measure that is not finite (D = 0) is dropped.
+    """
+
+    def __init__(self, preview: Callable[[Params, list[torch.Tensor]], list[torch.Tensor]],
+                 first: float = 0.5, follow: float = 0.2, most: float = 2.0):
+        self.preview, self.share, self.follow, self.most = preview, first, follow, most
+        self._made: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # (s_{t+1}, D) until round t lands
+
+    def __call__(self, phi: Params, delta: list[torch.Tensor]) -> list[torch.Tensor]:
+        base = self.preview(phi, [torch.zeros_like(d) for d in delta])
+        step = [p - b for p, b in zip(self.preview(phi, delta), base)]
+        start = [b + self.share * d for b, d in zip(base, step)]
+        self._made = (start, step)
+        return start
+
+    def observe(self, phi: Params) -> None:
+        """Round t landed on ``phi`` (φ_t): â follows the share that would have started there."""
+        if self._made is None:
+            return
+        start, step = self._made
+        self.forget()
+        along = sum(float(((p.detach().float() - s) * d).sum()) for p, s, d in zip(phi, start, step))
+        norm = sum(float((d * d).sum()) for d in step)
+        measured = self.share + along / norm if norm > 0 else float("nan")
+        if math.isfinite(measured):
+            self.share += self.follow * (min(max(measured, 0.0), self.most) - self.share)
+
+    def forget(self) -> None:
+        self._made = None
 
 
 class OneStepDelay:

@@ -31,7 +31,15 @@ by the one plain DiLoCo would have used), so the round's remaining inner steps r
 plain DiLoCo's would; the round is still logged, voted on and snapshotted at the boundary, so the
 φ a boundary shows, and every label, are those of ``apply = "boundary"`` (ALGORITHMS.md §1 as
 written, where the aggregate waits for the boundary). A round left out or failed waits for the
-boundary as before.
+boundary as before. Each round landed records ``arrived_after_steps``: the inner steps run from the
+estimated start before its aggregate was applied (H where it waited for the boundary).
+
+The lead (``lead``, `diloco.overlap_lead`; Decision 49): a replica runs at most ⌈lead·H⌉ of round
+t+1's inner steps before round t's aggregate is applied; there it waits for it, as the boundary
+would. The steps before it arrives run from the estimated start, so a peer faster than the round's
+slowest member would otherwise run up to a whole round of them each round, the boundary's loss
+(`experiments/RESULTS.md`, "The overlap's lead"), while its waiting changes little: the run's pace is
+its slowest peer's.
 
 The schedule (``after_inner_step``): every H steps ``sync(t)``; at the run's last step the final
 round lands at once (θ ← φ for the final evaluation), and ``finish`` lands it for a run whose
@@ -106,12 +114,15 @@ class Overlapped(Replica):
     announces_ahead = True
 
     def __init__(self, inner: OuterReplica, manifest_of: Callable[[int], object], update: str = "delayed",
-                 apply: str = "arrival"):
+                 apply: str = "arrival", lead: float = 1.0):
         """``manifest_of(round)``: the round's manifest, or None while there is none (the DHT);
         ``update``: the rule for the next round's start, one of algorithms.overlap.UPDATES; ``apply``:
-        when an arrived aggregate is applied, one of APPLY."""
+        when an arrived aggregate is applied, one of APPLY; ``lead``: with ``apply = "arrival"``, the
+        share of a round's inner steps run before the previous round's aggregate is awaited (1: H)."""
         if apply not in APPLY:
             raise ValueError(f"overlap apply {apply!r}: one of {', '.join(APPLY)}")
+        if not 0 < lead <= 1:
+            raise ValueError(f"overlap lead {lead!r}: in (0, 1]")
         super().__init__(inner.model, inner.collective, inner.key, inner.tokens_per_step, inner.hooks)
         self.inner = inner
         self.manifest_of = manifest_of
@@ -119,7 +130,9 @@ class Overlapped(Replica):
         self.delay = OneStepDelay()  # the recurrence's bookkeeping: (round, handle) of the reduce in flight
         self.start_from = start_rule(update, inner.preview_outer)
         self.on_arrival = apply == "arrival"
+        self.lead_steps = max(1, round(lead * inner.sync_every))  # awaited there (H: at the boundary)
         self._landed_mark: int | None = None  # the meter when a round last landed
+        self._steps_in = 0  # the inner steps of this round run so far (``after_inner_step``'s)
 
     @property
     def phi(self):
@@ -137,8 +150,9 @@ class Overlapped(Replica):
 
     def after_inner_step(self, step: int) -> bool:
         if step % self.inner.sync_every != 0:
-            if self.on_arrival:
-                self.apply_arrived()
+            self._steps_in = step % self.inner.sync_every
+            if self.on_arrival and not self.apply_arrived() and self._steps_in >= self.lead_steps:
+                self._await_arrival()
             return True
         round_ = self.round
         if not self.hooks.gate(round_):
@@ -196,6 +210,7 @@ class Overlapped(Replica):
         """φ (and the outer state) from a download; θ ← φ; nothing pending until ``enter``."""
         self.inner.load_state_tensors(tensors)
         self.start, self.pending = self._theta(), None
+        self.start_from.forget()
 
     def enter(self, round_: int, wait_s: float = 0.0) -> bool:
         """After a download labelled ``round_``: round_ − 1's aggregate is still to be applied.
@@ -230,13 +245,30 @@ class Overlapped(Replica):
         except Exception:  # left out or failed: the boundary deals with it as before (a catch-up, RoundFailed)
             return False
         self.inner.step_outer(result)
+        self.start_from.observe(self.inner.phi)
         result.info["round"] = round_
+        result.info.setdefault("record", {})["arrived_after_steps"] = self._steps_in
         exact = [p.detach().to("cpu", torch.float32).clone() for p in self.inner.phi]  # as _theta
         for p, estimated, s in zip(self.inner.model.parameters(), self.start, exact):
             p.add_((s - estimated).to(p.device, p.dtype))
         self.start = exact
         self.pending = (round_, _Applied(result))
         return True
+
+    def _await_arrival(self) -> None:
+        """The lead's end: the pending round's aggregate is waited for here, as at the boundary, and
+        applied. A replica left out of it goes on (the boundary catches the round up); one whose round
+        failed or did not come within the run's timeout raises RoundFailed, as the boundary would."""
+        if self.pending is None or isinstance(self.pending[1], _Applied):
+            return
+        round_, handle = self.pending
+        try:
+            handle.result(self.hooks.timeout_s)
+        except NotInRound:
+            return
+        except (CollectiveError, TimeoutError) as e:
+            raise RoundFailed(round_, e) from e
+        self.apply_arrived()
 
     def sync(self, round_: int, weight: float, timeout: float | None = None) -> RoundResult | None:
         """Round t's reduce starts; round t − 1's lands (returned; None at the first round); θ ← s_{t+1}."""
@@ -292,7 +324,10 @@ class Overlapped(Replica):
             result = self.inner.fetch_round(round_, late.manifest)
             result.info["caught_up"] = True
         self.inner.step_outer(result)
+        self.start_from.observe(self.inner.phi)
         result.info["round"] = round_
+        if self.on_arrival:  # it did not come during the round's inner steps
+            result.info.setdefault("record", {})["arrived_after_steps"] = self.inner.sync_every
         finished.append(result)
         return self.inner.phi
 

@@ -55,7 +55,7 @@ class Algorithm:
             return replica
         section = getattr(spec.config, self.section)
         return Overlapped(replica, spec.manifest_of, getattr(section, "overlap_update", "delayed"),
-                          getattr(section, "overlap_apply", "arrival"))
+                          getattr(section, "overlap_apply", "arrival"), getattr(section, "overlap_lead", 1.0))
 
 
 def _dense(codec: Callable[[object], str]) -> Callable[[object, list], DenseMean]:

@@ -223,6 +223,11 @@ def _headline(report: dict) -> list[tuple[str, str]]:
     if syncs:
         rows.append(("sync per round",
                      f"mean {statistics.fmean(syncs):.3f} s, median {statistics.median(syncs):.3f} s"))
+    arrived = [k for r in rounds for k in r.get("arrived_after_steps", [])]
+    if arrived:
+        rows.append(("overlap: inner steps before the aggregate came",
+                     f"mean {statistics.fmean(arrived):.1f}, median {statistics.median(arrived):g}, most {max(arrived)}"
+                     f" (over {len(arrived)} peer rounds)"))
     ratios = [r["sync_s"] / r["link_bound_s"] for r in rounds if r.get("link_bound_s")]
     if ratios:
         rows.append(("sync / link bound", f"median {statistics.median(ratios):.2f}"))

@@ -3,7 +3,9 @@
 Beyond DESIGN.md's fields: `links` (each peer's emulated link, None when unshaped, from its start
 event), NoLoCo's `rounds[].groups` and `rounds[].paired` (see `_gossip_round`), for Streaming
 DiLoCo `rounds[].fragment` and `rounds[].blocked_s` (the longest any peer's training waited for the
-round at its apply step; its `sync_s` is the reduce's own time, which overlaps τ inner steps),
+round at its apply step; its `sync_s` is the reduce's own time, which overlaps τ inner steps), for
+the overlap applied on arrival `rounds[].arrived_after_steps` (per peer, the inner steps it ran
+from the estimated start before the round's aggregate came; H where it waited for the boundary),
 `sync_wait_s` and `eval_s` (the seconds the peers' training loops spent in their syncs and in
 held-out evaluations, summed; `*_share` divides them by peers × wall, like `compute_utilization`),
 and `rounds[].link_bound_s`, the least time the round's bytes needed on the links: the
@@ -124,6 +126,9 @@ def _rounds(records: list[dict], first_t: float, links: dict[str, str | None]) -
             row["stage"] = stage
         if any("group" in r for r in rs):
             row.update(_gossip_round(rs))
+        arrived = [r["arrived_after_steps"] for r in rs if "arrived_after_steps" in r]
+        if arrived:  # the overlap, applied on arrival: inner steps each peer ran before the aggregate came
+            row["arrived_after_steps"] = arrived
         if "fragment" in leader:  # Streaming DiLoCo: which fragment, and how long training waited for it
             row.update(fragment=leader["fragment"], blocked_s=max(r.get("blocked_s", 0.0) for r in rs))
         rows.append(row)

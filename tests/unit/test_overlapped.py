@@ -14,8 +14,10 @@ import pytest
 import torch
 from torch import nn
 
+from lowcomm.algorithms.base import RoundFailed, SyncHooks
 from lowcomm.algorithms.diloco import DiLoCo, DilocoConfig
-from lowcomm.algorithms.overlapped import Overlapped
+from lowcomm.algorithms.overlap import start_rule
+from lowcomm.algorithms.overlapped import Overlapped, _Applied
 from lowcomm.collectives.base import CollectiveError, GroupKey, InProcessGroup, NotInRound, RoundResult
 
 KEY = GroupKey("overlapped-test")
@@ -84,7 +86,7 @@ def close(a, b) -> bool:
     return all(torch.allclose(x, y, atol=1e-6, rtol=0) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("update", ["delayed", "momentum", "eager"])
+@pytest.mark.parametrize("update", ["delayed", "momentum", "eager", "projected"])
 def test_overlap_reproduces_plain_diloco_phi_one_round_late(update):
     grads = fixed_grads()
     plain, plain_models = run(False, grads)
@@ -142,11 +144,72 @@ def test_each_rule_starts_the_next_round_where_algorithms_overlap_says(update):
         mean_before = [sum(d[k] for d in deltas) / REPLICAS for k in range(len(phi))]
 
 
+@pytest.mark.parametrize("apply", ["boundary", "arrival"])
+def test_the_projected_rule_starts_at_the_share_of_the_own_step_the_landed_rounds_carried(apply):
+    """projected: s_{t+1} = P₀ + â·D with P₀ = φ_{t−1} − ημ²·b_{t−1} and D = −η(1+μ)·Δ_t (Nesterov SGD
+    written out); â starts at 0.5 and, once round t lands on φ_t, moves 0.2 of the way to
+    a* = ⟨φ_t − P₀, D⟩ / ⟨D, D⟩, per replica. On arrival it lands before the next round's inner steps,
+    and θ starts them from φ_t."""
+    grads, lr, mu = fixed_grads(5), 0.7, 0.9
+    reps = replicas(True, "projected", apply=apply)
+    phi, buf, mean_before = phis(reps[0]), None, None
+    shares, made = [0.5] * REPLICAS, [None] * REPLICAS
+    for t in range(4):
+        starts = [theta(rep) for rep in reps]
+        for r, rep in enumerate(reps):
+            inner_steps(rep.model, grads[r][t])
+        deltas = [[s - p.detach() for s, p in zip(starts[r], rep.model.parameters())] for r, rep in enumerate(reps)]
+        for rep in reps:
+            rep.sync(t, 1.0, timeout=10)
+        if mean_before is not None:  # round t − 1 landed: φ_{t−1}, and each replica's â follows it
+            buf = [m.clone() for m in mean_before] if buf is None else [mu * b + m for b, m in zip(buf, mean_before)]
+            phi = [p - lr * (m + mu * b) for p, m, b in zip(phi, mean_before, buf)]
+            for r, (base, step) in enumerate(made):
+                measured = (sum(float(((p - b) * d).sum()) for p, b, d in zip(phi, base, step))
+                            / sum(float((d * d).sum()) for d in step))
+                shares[r] += 0.2 * (min(max(measured, 0.0), 2.0) - shares[r])
+        assert close(phis(reps[0]), phi)
+        held = buf if buf is not None else [torch.zeros_like(p) for p in phi]
+        for r, rep in enumerate(reps):
+            base = [p - lr * mu * mu * b for p, b in zip(phi, held)]
+            step = [-lr * (1 + mu) * d for d in deltas[r]]
+            made[r] = (base, step)
+            expected = [b + shares[r] * d for b, d in zip(base, step)]
+            assert close(theta(rep), expected), f"round {t}, replica {r}"
+        mean_before = [sum(d[k] for d in deltas) / REPLICAS for k in range(len(phi))]
+        if apply == "arrival" and t < 3:  # the next round's first inner step finds round t arrived
+            assert all(rep.apply_arrived() for rep in reps)
+    assert len({round(s, 9) for s in shares}) == REPLICAS and all(abs(s - 0.5) > 1e-3 for s in shares)
+
+
+def test_the_projected_share_ignores_a_void_start_and_stays_in_bounds():
+    """``forget`` (a downloaded state) drops the start made; D = 0 measures nothing; a* beyond [0, 2]
+    counts as its bound. preview(φ, g) = φ − g here, so D = −Δ and a* is how much of −Δ φ moved."""
+    rule = start_rule("projected", lambda phi, g: [p - x for p, x in zip(phi, g)])
+    phi, delta = [torch.zeros(3)], [torch.ones(3)]
+    assert close(rule(phi, delta), [torch.full((3,), -0.5)])
+    rule.observe([torch.full((3,), -0.8)])  # a* = 0.8
+    assert rule.share == pytest.approx(0.5 + 0.2 * 0.3)
+    rule.observe([torch.full((3,), -5.0)])  # nothing made since: nothing measured
+    assert rule.share == pytest.approx(0.56)
+    rule(phi, delta)
+    rule.forget()
+    rule.observe([torch.full((3,), -5.0)])
+    assert rule.share == pytest.approx(0.56)
+    rule(phi, delta)
+    rule.observe([torch.full((3,), -9.0)])  # a* = 9: counts as 2
+    assert rule.share == pytest.approx(0.56 + 0.2 * (2.0 - 0.56))
+    share = rule.share
+    rule(phi, [torch.zeros(3)])
+    rule.observe([torch.full((3,), -1.0)])  # D = 0
+    assert rule.share == share
+
+
 def theta(replica) -> list[torch.Tensor]:
     return [p.detach().clone() for p in replica.model.parameters()]
 
 
-@pytest.mark.parametrize("update", ["delayed", "momentum", "eager"])
+@pytest.mark.parametrize("update", ["delayed", "momentum", "eager", "projected"])
 def test_an_aggregate_applied_on_arrival_puts_theta_where_plain_diloco_has_it(update):
     """apply = "arrival": once round t's aggregate has come (here: as soon as every replica launched
     it), the next inner step's check steps φ and moves θ by φ_t − s_{t+1}. With gradients that ignore
@@ -178,6 +241,99 @@ def test_an_aggregate_applied_on_arrival_puts_theta_where_plain_diloco_has_it(up
         assert rep.drain(10).info["round"] == ROUNDS - 1
     for p, a in zip(plain, arriving):  # after drain: θ = φ = plain DiLoCo's
         assert close(theta(a), theta(p)) and close(a.phi, p.phi)
+
+
+def test_each_landed_round_records_the_inner_steps_run_before_its_aggregate_came():
+    """Driven by ``after_inner_step``: every replica launches round t at its boundary, so the aggregate
+    is there at the next round's first step (1); the last round, drained at the run's end, lands at
+    a boundary (H)."""
+    group, landed = InProcessGroup(REPLICAS), []
+    reps = []
+    for r in range(REPLICAS):
+        inner = DiLoCo(make_model(), DilocoConfig(inner_steps=H, outer_lr=0.7, outer_momentum=0.9), group.replica(r),
+                       KEY, hooks=SyncHooks(landed=landed.append, timeout_s=10))
+        reps.append(Overlapped(inner, manifest_of=lambda round_: None, update="momentum", apply="arrival"))
+    grads = fixed_grads(6)
+    for step in range(1, 3 * H + 1):
+        for r, rep in enumerate(reps):
+            inner_steps(rep.model, [grads[r][(step - 1) // H][(step - 1) % H]])
+            assert rep.after_inner_step(step)
+    landed += [rep.drain(10) for rep in reps]  # the run's end, once every replica launched the last round
+    by_round = {}
+    for result in landed:
+        by_round.setdefault(result.info["round"], set()).add(result.info["record"]["arrived_after_steps"])
+    assert by_round == {0: {1}, 1: {1}, 2: {H}}
+
+
+def lead_replicas(lead: float) -> list[Overlapped]:
+    group = InProcessGroup(REPLICAS)
+    return [Overlapped(DiLoCo(make_model(), DilocoConfig(inner_steps=H, outer_lr=0.7, outer_momentum=0.9),
+                              group.replica(r), KEY, hooks=SyncHooks(timeout_s=10)),
+                       manifest_of=lambda round_: None, update="momentum", apply="arrival", lead=lead)
+            for r in range(REPLICAS)]
+
+
+class _Watched:
+    """A round's handle that says when a replica starts waiting on it."""
+
+    def __init__(self, handle):
+        self.handle, self.waiting = handle, threading.Event()
+
+    def result(self, timeout=None):
+        if timeout:
+            self.waiting.set()
+        return self.handle.result(timeout)
+
+    def done(self):
+        return self.handle.done()
+
+
+def test_a_replica_waits_for_the_previous_round_at_the_end_of_its_lead():
+    """lead = 0.5 of H = 4: a replica whose round 0 has not come (the last replica has not launched it)
+    runs round 1's first 2 inner steps, then waits there; once the round comes it is applied at
+    that step, not the next one."""
+    reps, grads = lead_replicas(0.5), fixed_grads(7)
+    assert reps[0].lead_steps == 2
+    for step in range(1, H + 1):
+        for r, rep in enumerate(reps[:-1]):
+            inner_steps(rep.model, [grads[r][0][step - 1]])
+            assert rep.after_inner_step(step)
+    watched = _Watched(reps[0].pending[1])
+    reps[0].pending = (0, watched)
+    landed = []
+    reps[0].hooks.landed = landed.append
+
+    def run_lead():
+        for step in range(H + 1, H + 3):
+            inner_steps(reps[0].model, [grads[0][1][step - H - 1]])
+            reps[0].after_inner_step(step)
+
+    lead = threading.Thread(target=run_lead, daemon=True)
+    lead.start()
+    assert watched.waiting.wait(10), "the replica did not wait at the end of its lead"
+    assert lead.is_alive()
+    for step in range(1, H + 1):  # the last replica's round 0, then its launch
+        inner_steps(reps[-1].model, [grads[-1][0][step - 1]])
+        assert reps[-1].after_inner_step(step)
+    lead.join(10)
+    assert not lead.is_alive()
+    assert isinstance(reps[0].pending[1], _Applied)
+    assert reps[0].pending[1].landed.info["record"]["arrived_after_steps"] == 2
+
+
+def test_a_round_that_does_not_come_within_the_lead_fails_as_at_the_boundary():
+    reps = lead_replicas(0.25)
+    reps[0].pending = (3, _Never())
+    with pytest.raises(RoundFailed):
+        reps[0].after_inner_step(1)
+
+
+class _Never:
+    def result(self, timeout=None):
+        raise TimeoutError("the round did not come")
+
+    def done(self):
+        return False
 
 
 def test_an_aggregate_not_yet_arrived_waits_for_the_boundary():
