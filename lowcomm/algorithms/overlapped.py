@@ -32,11 +32,14 @@ plain DiLoCo's would; the round is still logged, voted on and snapshotted at the
 φ a boundary shows, and every label, are those of ``apply = "boundary"`` (ALGORITHMS.md §1 as
 written, where the aggregate waits for the boundary). A round left out or failed waits for the
 boundary as before. Each round landed records ``arrived_after_steps``: the inner steps run from the
-estimated start before its aggregate was applied (H where it waited for the boundary).
+estimated start before its aggregate was applied (H where it waited for the boundary; none for the
+last round, which lands at the run's end).
 
 The lead (``lead``, `diloco.overlap_lead`; Decision 49): a replica runs at most ⌈lead·H⌉ of round
 t+1's inner steps before round t's aggregate is applied; there it waits for it, as the boundary
-would. The steps before it arrives run from the estimated start, so a peer faster than the round's
+would. A replica behind the others has no lead: from a state download until it lands a round it
+took part in (one it caught up does not count), it waits only at the boundary, as a wait for a
+round it will be left out of would only put it further behind. The steps before it arrives run from the estimated start, so a peer faster than the round's
 slowest member would otherwise run up to a whole round of them each round, the boundary's loss
 (`experiments/RESULTS.md`, "The overlap's lead"), while its waiting changes little: the run's pace is
 its slowest peer's.
@@ -133,6 +136,7 @@ class Overlapped(Replica):
         self.lead_steps = max(1, round(lead * inner.sync_every))  # awaited there (H: at the boundary)
         self._landed_mark: int | None = None  # the meter when a round last landed
         self._steps_in = 0  # the inner steps of this round run so far (``after_inner_step``'s)
+        self._behind = False  # the last round landed was caught up, or none since entering: no lead
 
     @property
     def phi(self):
@@ -151,7 +155,8 @@ class Overlapped(Replica):
     def after_inner_step(self, step: int) -> bool:
         if step % self.inner.sync_every != 0:
             self._steps_in = step % self.inner.sync_every
-            if self.on_arrival and not self.apply_arrived() and self._steps_in >= self.lead_steps:
+            if (self.on_arrival and not self.apply_arrived() and self._steps_in >= self.lead_steps
+                    and not self._behind):
                 self._await_arrival()
             return True
         round_ = self.round
@@ -194,6 +199,7 @@ class Overlapped(Replica):
             mark = sent if self._landed_mark is None else self._landed_mark
             self._landed_mark = sent
             caught_up = bool(result.info.get("caught_up"))
+            self._behind = caught_up
             self._landed(result.info["round"], result, weight, t0, sent - mark, caught_up=caught_up)
             t0 = time.time()
 
@@ -211,6 +217,7 @@ class Overlapped(Replica):
         self.inner.load_state_tensors(tensors)
         self.start, self.pending = self._theta(), None
         self.start_from.forget()
+        self._behind = True
 
     def enter(self, round_: int, wait_s: float = 0.0) -> bool:
         """After a download labelled ``round_``: round_ − 1's aggregate is still to be applied.
@@ -280,7 +287,7 @@ class Overlapped(Replica):
 
         try:
             self.start = self.delay.round(self.start, self._theta(), self.inner.phi, launch,
-                                          lambda pending: self._land_pending(pending, timeout, finished),
+                                          lambda pending: self._land_pending(pending, timeout, finished, True),
                                           self.start_from)
         except BaseException:
             self.pending = launched[0] if launched else None  # the round begun is the one in flight
@@ -310,8 +317,9 @@ class Overlapped(Replica):
             self._load(theta)
 
     def _land_pending(self, pending: tuple[int, object], timeout: float | None,
-                      finished: list[RoundResult]) -> list[torch.Tensor]:
-        """Waits for a pending round (a late one is fetched from its members), steps φ, returns φ."""
+                      finished: list[RoundResult], stepped: bool = False) -> list[torch.Tensor]:
+        """Waits for a pending round (a late one is fetched from its members), steps φ, returns φ.
+        ``stepped``: a round's inner steps ran from its estimate meanwhile (not at the run's end)."""
         round_, handle = pending
         if isinstance(handle, _Applied):  # stepped as it arrived
             finished.append(handle.landed)
@@ -326,7 +334,7 @@ class Overlapped(Replica):
         self.inner.step_outer(result)
         self.start_from.observe(self.inner.phi)
         result.info["round"] = round_
-        if self.on_arrival:  # it did not come during the round's inner steps
+        if self.on_arrival and stepped:  # it did not come during the next round's inner steps
             result.info.setdefault("record", {})["arrived_after_steps"] = self.inner.sync_every
         finished.append(result)
         return self.inner.phi
