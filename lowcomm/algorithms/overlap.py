@@ -53,7 +53,7 @@ def next_start(phi: Params, own_progress: Params) -> list[torch.Tensor]:
 
 class StartRule:
     """``start_from(φ, Δ_t)`` of a rule, told when a round lands (``observe``) and when the start it made
-    no longer applies (``forget``: the replica took a downloaded state). The fixed rules ignore both."""
+    does not apply (``forget``: the replica took a downloaded state). The fixed rules ignore both."""
 
     def __init__(self, start_from: Callable[[Params, list[torch.Tensor]], list[torch.Tensor]] | None = None):
         self._start_from = start_from
@@ -65,7 +65,7 @@ class StartRule:
         """The round whose reduce was in flight landed on ``phi``."""
 
     def forget(self) -> None:
-        """The start made last is no estimate of any round to land."""
+        """The start made last estimates no round that will land (a downloaded state, a round caught up)."""
 
 
 def start_rule(update: str, preview: Callable[[Params, list[torch.Tensor]], list[torch.Tensor]]) -> StartRule:

@@ -6,7 +6,7 @@ with algorithms.overlap's `OneStepDelay` (the recurrence the golden tests pin):
     sync(t):  Δ_t = s_t − θ (θ = e_t, the end of round t's inner steps);  start the reduce of Δ_t
               wait for round t−1's reduce (if any) → the outer step gives φ_{t−1}
               θ ← s_{t+1} = start_from(φ_{t−1}, Δ_t), the rule `diloco.overlap_update` names
-                  (algorithms.overlap: momentum, delayed or eager)
+                  (algorithms.overlap: momentum, delayed, eager or projected)
     drain():  wait for the last reduce, θ ← φ (the end of training)
 
 ``sync(t)`` returns round t−1's result (None at the first round), so the caller logs and counts a
@@ -30,19 +30,20 @@ every inner step the replica looks whether the pending round's aggregate has arr
 by the one plain DiLoCo would have used), so the round's remaining inner steps run on from where
 plain DiLoCo's would; the round is still logged, voted on and snapshotted at the boundary, so the
 φ a boundary shows, and every label, are those of ``apply = "boundary"`` (ALGORITHMS.md §1 as
-written, where the aggregate waits for the boundary). A round left out or failed waits for the
-boundary as before. Each round landed records ``arrived_after_steps``: the inner steps run from the
-estimated start before its aggregate was applied (H where it waited for the boundary; none for the
-last round, which lands at the run's end).
+written, where the aggregate waits for the boundary). A round left out waits for the boundary,
+where it is caught up; a failed one fails the step that finds it (at the end of the lead, below,
+or the boundary). Each round this replica took part in records ``arrived_after_steps``: the inner
+steps run from the estimated start before its aggregate was applied (H where it waited for the
+boundary; none for the last round, which lands at the run's end).
 
 The lead (``lead``, `diloco.overlap_lead`; Decision 49): a replica runs at most ⌈lead·H⌉ of round
 t+1's inner steps before round t's aggregate is applied; there it waits for it, as the boundary
-would. A replica behind the others has no lead: from a state download until it lands a round it
-took part in (one it caught up does not count), it waits only at the boundary, as a wait for a
-round it will be left out of would only put it further behind. The steps before it arrives run from the estimated start, so a peer faster than the round's
+would. The steps before it arrives run from the estimated start, so a peer faster than the round's
 slowest member would otherwise run up to a whole round of them each round, the boundary's loss
 (`experiments/RESULTS.md`, "The overlap's lead"), while its waiting changes little: the run's pace is
-its slowest peer's.
+its slowest peer's. A replica behind the others has no lead: from a state download until it lands a
+round it took part in (one it caught up does not count), it waits only at the boundary, since a
+wait for a round it will be left out of would only put it further behind.
 
 The schedule (``after_inner_step``): every H steps ``sync(t)``; at the run's last step the final
 round lands at once (θ ← φ for the final evaluation), and ``finish`` lands it for a run whose
@@ -55,6 +56,7 @@ enters there fetches round t's aggregate at its first sync.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -133,7 +135,7 @@ class Overlapped(Replica):
         self.delay = OneStepDelay()  # the recurrence's bookkeeping: (round, handle) of the reduce in flight
         self.start_from = start_rule(update, inner.preview_outer)
         self.on_arrival = apply == "arrival"
-        self.lead_steps = max(1, round(lead * inner.sync_every))  # awaited there (H: at the boundary)
+        self.lead_steps = max(1, math.ceil(round(lead * inner.sync_every, 9)))  # awaited there (H: the boundary)
         self._landed_mark: int | None = None  # the meter when a round last landed
         self._steps_in = 0  # the inner steps of this round run so far (``after_inner_step``'s)
         self._behind = False  # the last round landed was caught up, or none since entering: no lead
@@ -249,12 +251,11 @@ class Overlapped(Replica):
         round_, handle = self.pending
         try:
             result = handle.result(0)
-        except Exception:  # left out or failed: the boundary deals with it as before (a catch-up, RoundFailed)
+        except Exception:  # left out or failed: the lead's end or the boundary deals with it
             return False
         self.inner.step_outer(result)
-        self.start_from.observe(self.inner.phi)
         result.info["round"] = round_
-        result.info.setdefault("record", {})["arrived_after_steps"] = self._steps_in
+        self._took_part(result, self._steps_in)
         exact = [p.detach().to("cpu", torch.float32).clone() for p in self.inner.phi]  # as _theta
         for p, estimated, s in zip(self.inner.model.parameters(), self.start, exact):
             p.add_((s - estimated).to(p.device, p.dtype))
@@ -264,18 +265,33 @@ class Overlapped(Replica):
 
     def _await_arrival(self) -> None:
         """The lead's end: the pending round's aggregate is waited for here, as at the boundary, and
-        applied. A replica left out of it goes on (the boundary catches the round up); one whose round
-        failed or did not come within the run's timeout raises RoundFailed, as the boundary would."""
+        applied. A replica left out of it goes on (the boundary catches the round up from its
+        manifest); one whose round failed, came without a manifest to catch up from, or did not come
+        within the run's timeout raises RoundFailed, as the boundary would, and drops the round."""
         if self.pending is None or isinstance(self.pending[1], _Applied):
             return
         round_, handle = self.pending
         try:
             handle.result(self.hooks.timeout_s)
-        except NotInRound:
-            return
+        except NotInRound as late:
+            if late.manifest is not None:
+                return
+            self.pending = None
+            raise RoundFailed(round_, late) from late
         except (CollectiveError, TimeoutError) as e:
+            self.pending = None
             raise RoundFailed(round_, e) from e
         self.apply_arrived()
+
+    def _took_part(self, result: RoundResult, steps: int | None) -> None:
+        """A landed round's bookkeeping: one this replica took part in teaches the start rule and records
+        the ``steps`` run from its estimate (None: at the run's end); one caught up does neither."""
+        if result.info.get("caught_up"):
+            self.start_from.forget()
+            return
+        self.start_from.observe(self.inner.phi)
+        if steps is not None:
+            result.info.setdefault("record", {})["arrived_after_steps"] = steps
 
     def sync(self, round_: int, weight: float, timeout: float | None = None) -> RoundResult | None:
         """Round t's reduce starts; round t − 1's lands (returned; None at the first round); θ ← s_{t+1}."""
@@ -332,10 +348,8 @@ class Overlapped(Replica):
             result = self.inner.fetch_round(round_, late.manifest)
             result.info["caught_up"] = True
         self.inner.step_outer(result)
-        self.start_from.observe(self.inner.phi)
         result.info["round"] = round_
-        if self.on_arrival and stepped:  # it did not come during the next round's inner steps
-            result.info.setdefault("record", {})["arrived_after_steps"] = self.inner.sync_every
+        self._took_part(result, self.inner.sync_every if self.on_arrival and stepped else None)
         finished.append(result)
         return self.inner.phi
 

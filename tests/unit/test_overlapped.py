@@ -146,8 +146,8 @@ def test_each_rule_starts_the_next_round_where_algorithms_overlap_says(update):
 
 @pytest.mark.parametrize("apply", ["boundary", "arrival"])
 def test_the_projected_rule_starts_at_the_share_of_the_own_step_the_landed_rounds_carried(apply):
-    """projected: s_{t+1} = P₀ + â·D with P₀ = φ_{t−1} − ημ²·b_{t−1} and D = −η(1+μ)·Δ_t (Nesterov SGD
-    written out); â starts at 0.5 and, once round t lands on φ_t, moves 0.2 of the way to
+    """projected: s_{t+1} = P₀ + â·D with P₀ = φ_{t−1} − ημ²·b_{t−1} and D = −η(1+μ)·Δ_t
+    (Nesterov SGD written out); â starts at 0.5 and, once round t lands on φ_t, moves 0.2 of the way to
     a* = ⟨φ_t − P₀, D⟩ / ⟨D, D⟩, per replica. On arrival it lands before the next round's inner steps,
     and θ starts them from φ_t."""
     grads, lr, mu = fixed_grads(5), 0.7, 0.9
@@ -335,6 +335,51 @@ def test_a_replica_behind_has_no_lead():
     reps[0].load_state_tensors(reps[0].state_tensors())
     reps[0].pending = (3, _Never())
     assert all(reps[0].after_inner_step(step) for step in range(1, H))
+
+
+def test_a_replica_that_took_part_in_a_round_again_has_its_lead():
+    """Every replica starts from a download (behind: no lead); once a round it took part in lands (at
+    the boundary after it), a round that does not come stops it at the end of its lead again."""
+    reps, grads = lead_replicas(0.25), fixed_grads(8)
+    for rep in reps:
+        rep.load_state_tensors(rep.state_tensors())
+    for step in range(1, 2 * H + 1):
+        for r, rep in enumerate(reps):
+            inner_steps(rep.model, [grads[r][(step - 1) // H][(step - 1) % H]])
+            assert rep.after_inner_step(step)
+    reps[0].pending = (1, _Never())
+    with pytest.raises(RoundFailed):
+        reps[0].after_inner_step(2 * H + 1)
+    assert reps[0].pending is None  # the failed round is dropped: the run's end does not wait for it again
+
+
+@pytest.mark.parametrize("manifest", ["the-manifest", None])
+def test_a_round_left_out_goes_on_at_the_lead_only_with_a_manifest_to_catch_it_up(manifest):
+    reps = lead_replicas(0.25)
+    late = _LeftOut(manifest)
+    reps[0].pending = (3, late)
+    if manifest is None:
+        with pytest.raises(RoundFailed):
+            reps[0].after_inner_step(1)
+        assert reps[0].pending is None
+    else:
+        assert all(reps[0].after_inner_step(step) for step in range(1, H))  # caught up at the boundary
+        assert reps[0].pending == (3, late)
+
+
+def test_the_lead_is_the_least_whole_number_of_steps_not_below_its_share():
+    assert [lead_replicas(lead)[0].lead_steps for lead in (0.1, 0.25, 0.3, 0.5, 0.75, 1.0)] == [1, 1, 2, 2, 3, 4]
+
+
+class _LeftOut:
+    def __init__(self, manifest):
+        self.manifest = manifest
+
+    def result(self, timeout=None):
+        raise NotInRound("left out", manifest=self.manifest)
+
+    def done(self):
+        return True
 
 
 class _Never:
