@@ -90,7 +90,7 @@ class Projected(StartRule):
     Once round t lands on φ_t, ``observe`` measures the a that lies nearest it,
     a* = â + ⟨φ_t − s_{t+1}, D⟩ / ⟨D, D⟩ (the own progress projected on the agreed step), and â moves
     a share ``follow`` of the way to it. Peers whose own Δ_t say less of the average (more peers,
-    noisier shards, later in training) thus start nearer φ_{t−1}. â starts at ``first`` and stays
+    noisier shards, later in training) thus start nearer P₀. â starts at ``first`` and stays
     within [0, ``most``]; a measure that is not finite (D = 0) is dropped.
     """
 
