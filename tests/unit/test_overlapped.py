@@ -247,12 +247,9 @@ def test_each_landed_round_records_the_inner_steps_run_before_its_aggregate_came
     """Driven by ``after_inner_step``: every replica launches round t at its boundary, so the aggregate
     is there at the next round's first step (1); the last round, drained at the run's end with no
     step after it, records none."""
-    group, landed = InProcessGroup(REPLICAS), []
-    reps = []
-    for r in range(REPLICAS):
-        inner = DiLoCo(make_model(), DilocoConfig(inner_steps=H, outer_lr=0.7, outer_momentum=0.9), group.replica(r),
-                       KEY, hooks=SyncHooks(landed=landed.append, timeout_s=10))
-        reps.append(Overlapped(inner, manifest_of=lambda round_: None, update="momentum", apply="arrival"))
+    reps, landed = lead_replicas(1.0), []
+    for rep in reps:
+        rep.hooks.landed = landed.append
     grads = fixed_grads(6)
     for step in range(1, 3 * H + 1):
         for r, rep in enumerate(reps):
@@ -403,13 +400,6 @@ def test_an_aggregate_not_yet_arrived_waits_for_the_boundary():
     assert all(close(theta(rep), b) for rep, b in zip(reps[:-1], before))
 
 
-class _Late:
-    """A handle that says this replica was left out of the round (with the round's manifest)."""
-
-    def result(self, timeout=None):
-        raise NotInRound("left out", manifest="the-manifest")
-
-
 def test_a_late_replica_applies_the_members_aggregate():
     """NotInRound on the pending round: the aggregate is fetched from the members and applied."""
     model = make_model()
@@ -425,7 +415,7 @@ def test_a_late_replica_applies_the_members_aggregate():
     inner.fetch_round = fetch_round
     replica = Overlapped(inner, manifest_of=lambda round_: None)
     phi0 = phis(replica)
-    replica.pending = (3, _Late())
+    replica.pending = (3, _LeftOut("the-manifest"))
     result = replica.drain(timeout=1)
     assert fetched == [(3, "the-manifest")]
     assert result.info["caught_up"] and result.info["round"] == 3
