@@ -57,6 +57,8 @@ VARIANTS = {  # name: (run.algo, extra `simulate` flags[, run-config overrides])
     "diloco-overlap-delayed": ("diloco", ["--overlap"], {"diloco.overlap_update": "delayed"}),
     "diloco-overlap-eager": ("diloco", ["--overlap"], {"diloco.overlap_update": "eager"}),
     "diloco-overlap-projected": ("diloco", ["--overlap"], {"diloco.overlap_update": "projected"}),
+    "diloco-overlap-lead0.1": ("diloco", ["--overlap"], {"diloco.overlap_lead": 0.1}),  # ⌈0.1·H⌉ = 3 of 30 steps
+    "diloco-overlap-lead0.25": ("diloco", ["--overlap"], {"diloco.overlap_lead": 0.25}),  # 8 of 30
     "streaming-diloco": ("streaming-diloco", []),
     "demo": ("demo", []),
     "sparseloco": ("sparseloco", []),

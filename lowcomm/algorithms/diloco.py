@@ -36,7 +36,7 @@ class DilocoConfig:
     overlap: bool = False  # one-step-delay overlap (ALGORITHMS.md §1)
     overlap_update: str = "momentum"  # the overlap's next start: one of algorithms.overlap.UPDATES
     overlap_apply: str = "arrival"  # when the overlap applies an aggregate: one of algorithms.overlapped.APPLY
-    overlap_lead: float = 0.25  # share of a round's inner steps run before the previous round must land (1: H)
+    overlap_lead: float = 0.1  # share of a round's inner steps run before the previous round must land (1: H)
     aggregate: str = "median-clip"  # how a shard owner combines the Δ parts: one of collectives.robust.AGGREGATES
     trim_fraction: float = 0.25  # trimmed-mean: share of values left out at each end of a coordinate, in [0, 0.5)
     clip_tau: float = 1.0  # centered-clip: τ as a multiple of the parts' median distance from the clipped mean

@@ -36,14 +36,14 @@ or the boundary). Each round this replica took part in records ``arrived_after_s
 steps run from the estimated start before its aggregate was applied (H where it waited for the
 boundary; none for the last round, which lands at the run's end).
 
-The lead (``lead``, `diloco.overlap_lead`; Decision 49): a replica runs at most ⌈lead·H⌉ of round
-t+1's inner steps before round t's aggregate is applied; there it waits for it, as the boundary
-would. The steps before it arrives run from the estimated start, so a peer faster than the round's
-slowest member would otherwise run up to a whole round of them each round, the boundary's loss
-(`experiments/RESULTS.md`, "The overlap's lead"), while its waiting changes little: the run's pace is
-its slowest peer's. A replica behind the others has no lead: from a state download until it lands a
-round it took part in (one it caught up does not count), it waits only at the boundary, since a
-wait for a round it will be left out of would only put it further behind.
+The lead (``lead``, `diloco.overlap_lead`, 0.1 by default; Decisions 49, 50): a replica runs at
+most ⌈lead·H⌉ of round t+1's inner steps before round t's aggregate is applied; there it waits for
+it, as the boundary would. The steps before it arrives run from the estimated start, so a peer
+faster than the round's slowest member would otherwise run up to a whole round of them each round,
+the boundary's loss (`experiments/RESULTS.md`, "The overlap's lead"), while its waiting changes
+little: the run's pace is its slowest peer's. A replica behind the others has no lead: from a state
+download until it lands a round it took part in (one it caught up does not count), it waits only
+at the boundary, since a wait for a round it will be left out of would only put it further behind.
 
 The schedule (``after_inner_step``): every H steps ``sync(t)``; at the run's last step the final
 round lands at once (θ ← φ for the final evaluation), and ``finish`` lands it for a run whose

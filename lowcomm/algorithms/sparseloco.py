@@ -39,7 +39,7 @@ class SparseLoCoConfig:
     clip: bool = True  # per-peer median-norm clip before the scatter-mean
     overlap: bool = False  # one-step-delay overlap (ALGORITHMS.md §1); error feedback sees Δ_t unchanged
     overlap_apply: str = "arrival"  # when the overlap applies an aggregate: one of algorithms.overlapped.APPLY
-    overlap_lead: float = 0.25  # as diloco.overlap_lead
+    overlap_lead: float = 0.1  # as diloco.overlap_lead
 
     def codec_for(self, shape: tuple[int, ...]) -> Codec:
         """top-k for tensors of 2 or more dimensions, dense float32 for 0-D and 1-D ones."""
