@@ -18,6 +18,12 @@ from lowcomm.transport.netns import lab_objects, unavailable_reason
 H, ROUNDS, DOWN_ROUND = 5, 45, 2
 # down longer than the reduce deadline (8 s), early enough that the swarm still trains when it comes back
 SPEC = f"slow:1:2x@r1,linkdown:1:10s@r{DOWN_ROUND}"
+# How long the others wait for a due peer's announcement. The cut-off peer comes back a round behind
+# (from catch-ups, or a download the swarm has passed by the time it lands) and announces the next
+# round only after catching the last one up (a DHT read, ~2 s) and running H steps at half speed: on
+# a 2-core host whose steps are slow that took ~4 s, past a 3 s wait, so it stayed a round behind
+# until the run ended. Twice that leaves room for it on a slow host.
+ANNOUNCE_S = 6.0
 
 needs_root = pytest.mark.skipif(unavailable_reason() is not None,
                                 reason=f"simulate --netns needs root and iproute2: {unavailable_reason()}")
@@ -35,7 +41,7 @@ def test_a_link_down_and_a_slow_peer_in_namespaces(tmp_path):
     before = outside_state()
     config = default_config().override({
         "run.steps": H * ROUNDS, "diloco.inner_steps": H, "data.eval_every_tokens": 1 << 40,
-        "data.eval_batches": 4, "sync.reduce_timeout_s": 8.0, "sync.announce_s": 3.0, "sync.manifest_s": 3.0,
+        "data.eval_batches": 4, "sync.reduce_timeout_s": 8.0, "sync.announce_s": ANNOUNCE_S, "sync.manifest_s": 3.0,
         "checkpoint.every_rounds": 0, "churn.spec": SPEC})
     sim = Simulation(config, 3, tmp_path / "run", progress=False, timeout_s=480, netns=True)
     report = sim.run()  # raises if any process group outlived the run or the lab could not be removed
