@@ -22,7 +22,7 @@ SPEC = f"slow:1:2x@r1,linkdown:1:10s@r{DOWN_ROUND}"
 # (from catch-ups, or a download the swarm has passed by the time it lands) and announces the next
 # round only after catching the last one up (a DHT read, ~2 s) and running H steps at half speed: on
 # a 2-core host whose steps are slow that took ~4 s, past a 3 s wait, so it stayed a round behind
-# until the run ended. Twice that leaves room for it on a slow host.
+# until the run ended. Twice the 3 s leaves it room on a slow host.
 ANNOUNCE_S = 6.0
 
 needs_root = pytest.mark.skipif(unavailable_reason() is not None,
@@ -41,8 +41,8 @@ def test_a_link_down_and_a_slow_peer_in_namespaces(tmp_path):
     before = outside_state()
     config = default_config().override({
         "run.steps": H * ROUNDS, "diloco.inner_steps": H, "data.eval_every_tokens": 1 << 40,
-        "data.eval_batches": 4, "sync.reduce_timeout_s": 8.0, "sync.announce_s": ANNOUNCE_S, "sync.manifest_s": 3.0,
-        "checkpoint.every_rounds": 0, "churn.spec": SPEC})
+        "data.eval_batches": 4, "sync.reduce_timeout_s": 8.0, "sync.announce_s": ANNOUNCE_S,
+        "sync.manifest_s": 3.0, "checkpoint.every_rounds": 0, "churn.spec": SPEC})
     sim = Simulation(config, 3, tmp_path / "run", progress=False, timeout_s=480, netns=True)
     report = sim.run()  # raises if any process group outlived the run or the lab could not be removed
     tag = report["netns_lab"]
