@@ -38,6 +38,7 @@ MAX_RUN_NAME = 128
 TOMBSTONE_MARGIN_S = 30.0  # how much longer than a record its tombstone lives
 CLOCK_AHEAD_S = 300.0  # how far a writer's clock may run ahead of this node's before its record's life is refused
 REPORTED = 4096  # the (writer, reason) pairs reported by `on_reject`, once each
+ALWAYS_STORED = ("peer_id", "endpoint", "heartbeat")  # a peer record's fields stored even at their defaults
 # hivemind's caching, off: every read here asks for the latest records (latest=True), so a copy pushed to
 # the nearest node after each read (cache_nearest) and the background re-reads of cached keys before they
 # expire (cache_refresh_before_expiry) only cost traffic. Every node a store's or a read's search asks
@@ -68,7 +69,9 @@ class SignedConfig:
 
 @dataclass
 class PeerRecord:
-    """What a peer says about itself; it expires unless refreshed by heartbeats."""
+    """What a peer says about itself; it expires unless refreshed by heartbeats. Stored as ``value()``:
+    the fields that differ from their defaults, so a data-parallel peer's record carries no pipeline
+    fields (``from_value`` gives a missing field its default)."""
 
     peer_id: str
     endpoint: str
@@ -91,6 +94,11 @@ class PeerRecord:
     rollback_at: int = -1  # ... before this round
     token: str = ""  # token runs: the coordinator's join token for this peer (transport.join_token)
     link: str = ""  # its emulated or declared access link, e.g. "20mbit:80ms" ("": none)
+
+    def value(self) -> dict[str, Any]:
+        """What is stored: ``peer_id``, ``endpoint``, ``heartbeat`` and every other field not at its default."""
+        return {name: v for name, v in asdict(self).items()
+                if name in ALWAYS_STORED or v != self.__dataclass_fields__[name].default}
 
     @classmethod
     def from_value(cls, value: Any) -> "PeerRecord":
@@ -284,7 +292,7 @@ class ControlPlane:
 
     def publish_peer(self, record: PeerRecord, ttl: float) -> None:
         record.heartbeat = get_dht_time()
-        self._store(f"{self.run}.peers", asdict(record), ttl)
+        self._store(f"{self.run}.peers", record.value(), ttl)
 
     def publish_stats(self, stats: dict, ttl: float) -> None:
         """What this peer has done so far, for status pages (runtime.observer), under a key of its own: the
