@@ -23,7 +23,8 @@ def test_a_stage_record_keeps_what_is_off_its_default():
     record = PeerRecord(**TRAINING, stage=2, stage_state="online", grad_norm=0.5, rollback_to=3, rollback_at=9,
                         token="t" * 40, link="20mbit:80ms", client_mode=True)
     value = record.value()
-    assert {"stage", "stage_state", "grad_norm", "rollback_to", "rollback_at", "token", "link", "client_mode"} <= set(value)
+    assert {"stage", "stage_state", "grad_norm", "rollback_to", "rollback_at", "token", "link",
+            "client_mode"} <= set(value)
     assert PeerRecord.from_value(value) == record
 
 
