@@ -33,7 +33,7 @@ from lowcomm.runtime.admission import Admission
 from lowcomm.config import RunConfig
 from lowcomm.models.factory import build_model
 from lowcomm.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from lowcomm.runtime.round_anchor import RoundFollower
+from lowcomm.runtime.round_anchor import FollowedRecords, RoundFollower
 from lowcomm.runtime.run_config import publish_run_config
 from lowcomm.runtime.state_transfer import Snapshot, StateError, StateHolder, download_state, state_phi_hash
 from lowcomm.transport.addresses import grpc_endpoint
@@ -69,7 +69,7 @@ class Coordinator:
         self.last_checkpoint_at = time.monotonic()  # checkpoint.every_s counts from here
         self.follower: RoundFollower | None = None  # from the first loop on, for runs whose replicas share φ
         self._first_round = 0
-        self._records: tuple[float, dict[str, PeerRecord]] = (float("-inf"), {})  # (read at, live records)
+        self._records: FollowedRecords | None = None  # the live records the rounds are followed by
         self.refused_checkpoints = 0  # downloaded states whose φ was not the round's agreed one
         self._refused_sources: set[str] = set()  # not asked again until a checkpoint is kept
         self._pending: tuple[Snapshot, str, float] | None = None  # (state, source, give up at): awaits its anchor
@@ -180,13 +180,12 @@ class Coordinator:
             self.follower = self._follower(self.config.run.name, self._first_round)
         if self.follower is None:
             return
-        sync = self.config.sync  # as often as a quiet peer refreshes its record
-        if time.monotonic() - self._records[0] >= max(sync.heartbeat_s, sync.record_ttl_s / 2):
-            self._records = (time.monotonic(), self.control.live_peers())
-        training = [r for r in self._records[1].values() if r.state == "training" and self.admission.admits(r.peer_id)]
-        joiners = any(r.state == "joining" for r in self._records[1].values())  # their anchors are kept in the DHT
-        for anchor in self.follower.tick(max((r.round for r in training), default=0), {r.peer_id for r in training},
-                                         joiners):
+        if self._records is None:
+            sync = self.config.sync
+            self._records = FollowedRecords(self.control, sync.heartbeat_s, sync.record_ttl_s, self.admission.admits)
+        records = self._records
+        records.refresh(self.follower.voters())
+        for anchor in self.follower.tick(records.newest, records.training, records.joiners):
             logger.info("round %d: agreed φ hash %s of %d members", anchor.round, anchor.phi_hash, len(anchor.members))
 
     def _maybe_checkpoint(self) -> None:

@@ -59,6 +59,46 @@ def _decided(votes: dict[str, str], members: frozenset[str], training: set[str])
     return not (members & training) - votes.keys() or max(Counter(votes.values()).values()) * 2 > len(members)
 
 
+class FollowedRecords:
+    """The live peer records the coordinator follows rounds by (Decision 51): the ids in state training
+    (whose votes a round waits for), the highest round one holds, and whether a record is joining (the
+    newest anchors are then kept in the DHT).
+
+    Read once per a record's life while every voter of the next round to settle is training, since the
+    rounds come by post. A voter that the last read did not show training (a run's first rounds, a
+    joiner's first, a member whose record expired) has them read again ``heartbeat_s`` after that read
+    once it is named, and then every half life while one is left or a record is joining, so that its
+    vote is waited for once it trains."""
+
+    def __init__(self, control: ControlPlane, heartbeat_s: float, life_s: float, admits=lambda peer: True):
+        self.control, self.admits = control, admits
+        self.heartbeat_s, self.life_s = heartbeat_s, max(heartbeat_s, life_s)
+        self._read_at = float("-inf")
+        self._unseen: frozenset[str] = frozenset()  # voters named when the last read did not show them training
+        self.training: set[str] = set()
+        self.newest = 0
+        self.joiners = False
+
+    def refresh(self, voters: frozenset[str]) -> None:
+        """Reads the records again if they are due (the class says when) for a round with ``voters``."""
+        missing = voters - self.training
+        if missing - self._unseen:  # a voter named since the last read
+            due = self.heartbeat_s
+        elif missing or self.joiners:
+            due = max(self.heartbeat_s, self.life_s / 2)
+        else:
+            due = self.life_s
+        if time.monotonic() - self._read_at < due:
+            return
+        self._read_at = time.monotonic()
+        records = self.control.live_peers()
+        training = [r for r in records.values() if r.state == "training" and self.admits(r.peer_id)]
+        self.training = {r.peer_id for r in training}
+        self._unseen = voters - self.training
+        self.newest = max((r.round for r in training), default=0)
+        self.joiners = any(r.state == "joining" for r in records.values())
+
+
 def publish_anchor(control: ControlPlane, group: str, anchor: Anchor, ttl: float) -> None:
     control.publish_anchor(group, anchor.round, {"round": anchor.round, "phi_hash": anchor.phi_hash,
                                                  "members": list(anchor.members)}, ttl)
@@ -110,6 +150,10 @@ class RoundFollower:
                 publish_anchor(self.control, self.group, self.anchors[round_], self.ttl)
                 self._stored[round_] = time.monotonic()
         return settled
+
+    def voters(self) -> frozenset[str]:
+        """Whose votes the next round to settle waits for: the members of the newest manifest before it."""
+        return self.agreement.trusted(self.group, self.next_vote) or frozenset()
 
     def _walk(self, newest: int) -> None:
         for _ in range(WALK_BUDGET):

@@ -1,0 +1,85 @@
+"""When the coordinator reads the live peer records it follows rounds by (runtime.round_anchor.FollowedRecords,
+Decision 51): once per a record's life while every voter trains, sooner for a voter it has not seen training."""
+
+from __future__ import annotations
+
+import pytest
+
+from lowcomm.runtime import round_anchor
+from lowcomm.runtime.round_anchor import FollowedRecords
+from lowcomm.transport.control import PeerRecord
+
+HEARTBEAT_S, LIFE_S = 2.0, 10.0
+
+
+class Records:
+    """A control plane whose live records a test sets; it counts the reads."""
+
+    def __init__(self):
+        self.records: dict[str, PeerRecord] = {}
+        self.reads = 0
+
+    def set(self, **states: str) -> None:
+        self.records = {p: PeerRecord(p, f"{p}:1", state=s, round=3) for p, s in states.items()}
+
+    def live_peers(self) -> dict[str, PeerRecord]:
+        self.reads += 1
+        return dict(self.records)
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr(round_anchor.time, "monotonic", lambda: now[0])
+    return now
+
+
+def reads_at(view: FollowedRecords, control: Records, clock, times: list[float], voters=frozenset()) -> list[float]:
+    """The times among ``times`` at which a refresh for ``voters`` read the records."""
+    out = []
+    for t in times:
+        clock[0] = t
+        before = control.reads
+        view.refresh(frozenset(voters))
+        if control.reads > before:
+            out.append(t)
+    return out
+
+
+def test_every_voter_training_reads_once_per_life(clock):
+    control = Records()
+    control.set(a="training", b="training")
+    view = FollowedRecords(control, HEARTBEAT_S, LIFE_S)
+    assert reads_at(view, control, clock, [0, 1, 2, 5, 9.9, 10, 15, 20], voters={"a", "b"}) == [0, 10, 20]
+    assert view.training == {"a", "b"} and view.newest == 3 and not view.joiners
+
+
+def test_a_voter_not_seen_training_is_read_for_after_a_heartbeat_then_every_half_life(clock):
+    control = Records()
+    control.set(a="training")
+    view = FollowedRecords(control, HEARTBEAT_S, LIFE_S)
+    assert reads_at(view, control, clock, [0], voters={"a"}) == [0]
+    # b is named a voter: read again a heartbeat after the last read; still not training: every half life
+    assert reads_at(view, control, clock, [1, 2, 3, 4, 6.9, 7, 8], voters={"a", "b"}) == [2, 7]
+    assert view.training == {"a"}
+    control.set(a="training", b="training")
+    assert reads_at(view, control, clock, [11.9, 12, 13], voters={"a", "b"}) == [12]
+    assert view.training == {"a", "b"}
+    # from then on once per life
+    assert reads_at(view, control, clock, [17, 21.9, 22], voters={"a", "b"}) == [22]
+
+
+def test_a_joining_record_keeps_the_half_life_cadence(clock):
+    control = Records()
+    control.set(a="training", c="joining")
+    view = FollowedRecords(control, HEARTBEAT_S, LIFE_S)
+    assert reads_at(view, control, clock, [0, 4.9, 5, 9.9, 10], voters={"a"}) == [0, 5, 10]
+    assert view.joiners
+
+
+def test_records_not_admitted_do_not_count_as_training(clock):
+    control = Records()
+    control.set(a="training", sybil="training")
+    view = FollowedRecords(control, HEARTBEAT_S, LIFE_S, admits=lambda peer: peer != "sybil")
+    view.refresh(frozenset({"a"}))
+    assert view.training == {"a"}
