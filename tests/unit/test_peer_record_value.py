@@ -1,4 +1,4 @@
-"""A peer record as stored: the fields off their defaults, read back whole (transport.control.PeerRecord)."""
+"""A peer record as stored: the fields off their defaults, read back whole (transport.peer_record.PeerRecord)."""
 
 from dataclasses import asdict
 
