@@ -44,6 +44,10 @@ def retry_pause_s(failures: int) -> float:
     return min(RETRY_MAX_S, RETRY_S * 2 ** min(failures, 8)) * random.uniform(1.0, 1.5)
 
 
+class Unanchored(StateError):
+    """No agreed φ hash of a downloaded state's round came in time: the state is neither kept nor refused."""
+
+
 def resync_deadline_s(sync) -> float:
     """How long a resync looks for a source: one round's own deadline (context.round_timeout) plus a
     record's lifetime. Past it nobody can serve (the swarm finished, or this peer is still cut off)."""
@@ -166,8 +170,9 @@ class StateSync:
         return False
 
     def _load_from(self, source, target: int, deadline: float) -> bool | None:
-        """True: loaded; False: the source's state was refused (its φ is not the agreed one); None: no state.
-        The source holds the download back until it reaches ``target``, at most until ``deadline``."""
+        """True: loaded; False: the source's state was refused (its φ is not the agreed one); None: no state,
+        or no agreed φ hash of its round yet (tried again at the next look). The source holds the download
+        back until it reaches ``target``, at most until ``deadline``."""
         ctx, replica = self.ctx, self.replica
         wait_s = min(STATE_WAIT_S, max(1.0, deadline - time.monotonic()))
         try:
@@ -183,6 +188,9 @@ class StateSync:
             return None
         try:
             anchor = self._check(tensors, int(state.round), source.peer_id)
+        except Unanchored as e:  # the round is not settled yet: no fault of the source's, asked again later
+            ctx.log.event("state_error", source=source.peer_id, error=str(e)[:200])
+            return None
         except StateError as e:
             ctx.log.event("state_error", source=source.peer_id, error=str(e)[:200])
             ctx.log.event("reject", sender=source.peer_id, round=int(state.round), reason=str(e)[:200])
@@ -209,7 +217,7 @@ class StateSync:
             return None  # replicas that hold their own φ (NoLoCo); a checkpoint the coordinator serves
         anchor, agreed = self._agreed(round_)
         if agreed is None:
-            raise StateError(f"no agreed φ hash for round {round_} to check the state against")
+            raise Unanchored(f"no agreed φ hash for round {round_} to check the state against")
         held = state_phi_hash(tensors, self.replica.names)
         if held != agreed:
             raise StateError(f"state's φ hash {held} is not round {round_}'s agreed {agreed}")

@@ -35,6 +35,15 @@ def outside_state() -> tuple[set[str], set[str]]:
             {link for link in netns._list_links() if not netns.TAG_PATTERN.match(link)})
 
 
+def story(sim: Simulation, events: list[dict], name: str) -> str:
+    """What a peer went through, for a failed assertion: its events and the end of its log."""
+    lines = [f"{e['kind']} {({k: str(v)[:160] for k, v in e.items() if k not in ('type', 'peer', 'kind')})}"
+             for e in events]
+    log = sim.run_dir / "logs" / f"{name}.log"
+    tail = log.read_text(errors="replace").splitlines()[-40:] if log.exists() else ["(no log)"]
+    return "\n".join(["events:", *lines, f"the end of {log}:", *tail])
+
+
 @needs_root
 @pytest.mark.timeout(600)
 def test_a_link_down_and_a_slow_peer_in_namespaces(tmp_path):
@@ -73,7 +82,7 @@ def test_a_link_down_and_a_slow_peer_in_namespaces(tmp_path):
     victim = [r for r in sim.records() if r["peer"] == down["peer"] and r["type"] == "event"]
     assert any(r["kind"] in ("caught_up", "resync", "state_received")
                or (r["kind"] == "timeout" and r.get("stage") == "quorum") for r in victim)
-    assert any(r["kind"] == "done" for r in victim)
+    assert any(r["kind"] == "done" for r in victim), story(sim, victim, down["name"])
     # it never applied a round alone (Decision 27): none naming only itself, none in which only its own part counted
     alone = [r["round"] for r in sim.records() if r["peer"] == down["peer"] and r["type"] == "round"
              and [down["peer"]] in (r["participants"], r["contributors"])]

@@ -339,6 +339,29 @@ def test_a_source_whose_state_is_not_the_agreed_phi_is_refused_and_another_used(
     assert agreement.trusted("0-0", 6) == frozenset({"a", "good"})  # the anchor's members lead round 6
 
 
+def test_a_state_whose_round_is_not_anchored_yet_is_asked_again_not_refused(monkeypatch):
+    store = {}
+    live = {"coord": PeerRecord("coord", "coord:1", state="coordinator"),
+            "only": PeerRecord("only", "only:1", state="training", round=5)}
+    sync, events = state_sync("me", store, live)
+    downloads = []
+
+    def download(channels, traffic, endpoint, run, me, target, **kw):
+        downloads.append(endpoint)
+        if len(downloads) == 2:  # the coordinator settles round 6 between the two downloads
+            publish_anchor(MemoryControl("coord", store, live), "0-0",
+                           Anchor(6, FakeReplica(1.0).phi_hash(), ("only",)), 60)
+        return served(1.0, 6, sync.config)
+
+    monkeypatch.setattr("lowcomm.runtime.state_sync.ANCHOR_SLACK_S", 0.0)
+    monkeypatch.setattr("lowcomm.runtime.state_sync.FETCH_DEADLINE_S", 30.0)
+    monkeypatch.setattr("lowcomm.runtime.state_sync.download_state", download)
+    assert sync.fetch(min_round=6)
+    assert downloads == ["only:1", "only:1"] and torch.equal(sync.replica.w, torch.full((4,), 1.0))
+    kinds = [kind for kind, _ in events]
+    assert "reject" not in kinds and kinds.count("state_error") == 1 and "state_received" in kinds
+
+
 def test_the_state_hash_is_the_replicas_own_phi_hash():
     model = build_model(RunConfig().model)
     for name in ("diloco", "ddp", "demo", "sparseloco"):
@@ -351,6 +374,7 @@ def test_the_state_hash_is_the_replicas_own_phi_hash():
 def test_the_coordinator_refuses_to_checkpoint_a_state_that_is_not_the_agreed_phi(tmp_path, monkeypatch):
     config = RunConfig()
     config.checkpoint.every_rounds, config.checkpoint.every_s = 2, 0.0
+    config.checkpoint.max_share = 0.0  # no cap on the downloads' share (tests/unit/test_checkpoint_budget.py)
     names = [n for n, _ in build_model(config.model).named_parameters()]
     shapes = {n: tuple(p.shape) for n, p in build_model(config.model).named_parameters()}
 
