@@ -92,6 +92,7 @@ RANGES: dict[str, tuple[Any, str]] = {
     "pipeline.rebalance_every_rounds": (lambda v: v >= 0, ">= 0 (0: only on the test hook)"),
     "checkpoint.every_rounds": (lambda v: v >= 0, ">= 0 (0: none)"), "checkpoint.keep": _AT_LEAST_1,
     "checkpoint.every_s": _AT_LEAST_0,
+    "checkpoint.max_share": (lambda v: 0 <= v < 1, "in [0, 1) (0: no cap)"),
 }
 
 

@@ -22,6 +22,7 @@ class CheckpointConfig:
 
     every_rounds: int = 5  # 0: never
     every_s: float = 600.0  # and at least this long after the last one (0: rounds alone)
+    max_share: float = 0.05  # and only while the downloads stay within this share of the run's bytes (0: no cap)
     keep: int = 3  # the newest this many are kept
 
 

@@ -4,7 +4,8 @@ Training does not depend on it: peers sync among themselves, and the config reco
 outlives it for `CONFIG_TTL_S`. It follows the rounds (runtime.round_anchor.RoundFollower: the
 manifest chain and each round's agreed φ hash, signed as the round's anchor for joiners). It
 checkpoints by downloading state from a training peer every `checkpoint.every_rounds` rounds, once
-`checkpoint.every_s` passed since its last checkpoint (or its start), and keeps it only if its φ
+`checkpoint.every_s` passed since its last checkpoint (or its start) and while the downloads stay within
+`checkpoint.max_share` of the swarm's bytes (runtime.checkpoint_budget), and keeps it only if its φ
 hashes to that round's anchor (else it refuses the state, a warning, and asks another peer next
 time); with `--resume DIR` it serves a checkpoint's state to the peers
 that join, and the run continues at that round. Its gRPC server answers peers' reachability checks
@@ -33,6 +34,7 @@ from lowcomm.runtime.admission import Admission
 from lowcomm.config import RunConfig
 from lowcomm.models.factory import build_model
 from lowcomm.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from lowcomm.runtime.checkpoint_budget import CheckpointBudget
 from lowcomm.runtime.round_anchor import FollowedRecords, RoundFollower
 from lowcomm.runtime.run_config import publish_run_config
 from lowcomm.runtime.state_transfer import Snapshot, StateError, StateHolder, download_state, state_phi_hash
@@ -74,6 +76,8 @@ class Coordinator:
         self._refused_sources: set[str] = set()  # not asked again until a checkpoint is kept
         self._pending: tuple[Snapshot, str, float] | None = None  # (state, source, give up at): awaits its anchor
         self._names: list[str] | None = None  # the model's parameter names, in its order (φ's hash)
+        self._param_bytes = 0  # the model's fp32 parameters, in bytes (the first download's expected size)
+        self._budget: CheckpointBudget | None = None  # the downloads' share of the swarm's bytes
         self.server = None  # the gRPC server, once started
         self.channels: Channels | None = None
 
@@ -197,6 +201,13 @@ class Coordinator:
         if self._pending is not None:
             self._keep_checked()
             return
+        if self._budget is None:
+            self._model_names()
+            self._budget = CheckpointBudget(self.config.checkpoint.max_share, lambda: self.control.live_stats(),
+                                            self.admission.admits, first_bytes=self._param_bytes,
+                                            most_wait_s=max(self.config.checkpoint.every_s, 60.0))
+        if not self._budget.allows():
+            return
         trainers = [r for r in self.control.live_peers().values() if r.state == "training" and not r.client_mode
                     and r.peer_id not in self._refused_sources and self.admission.admits(r.peer_id)]
         due = [r for r in trainers if r.round >= self.last_checkpoint_round + every]
@@ -210,6 +221,7 @@ class Coordinator:
         except StateError as e:
             logger.info("checkpoint download failed: %s", e)
             return
+        self._budget.spent(len(state.data))
         snapshot = Snapshot(int(state.round), int(state.tokens), state.config_hash, state.phi_hash, state.data)
         if snapshot.config_hash != self.config.config_hash():
             logger.warning("refused a checkpoint for another config from %s", source.peer_id)
@@ -257,6 +269,7 @@ class Coordinator:
             except Exception:  # a factory model that cannot be built on the meta device
                 model = build_model(self.config.model)
             self._names = [name for name, _ in model.named_parameters()]
+            self._param_bytes = 4 * sum(p.numel() for p in model.parameters())
         return self._names
 
     def shutdown(self) -> None:
