@@ -61,7 +61,7 @@ def write_config(run_dir: Path, args, checkpoint_every: int = 0) -> Path:
 
     overrides = dict(SMALL) | {"run.steps": args.rounds * args.inner_steps, "diloco.inner_steps": args.inner_steps,
                                "run.seed": args.seed, "checkpoint.every_rounds": checkpoint_every,
-                               "checkpoint.every_s": 0.0}
+                               "checkpoint.every_s": 0.0, "checkpoint.max_share": 0.0}
     path = run_dir / "config.json"
     path.write_text(json.dumps(load_config(None).override(overrides).to_dict(), indent=1))
     return path

@@ -78,6 +78,7 @@ class Coordinator:
         self._names: list[str] | None = None  # the model's parameter names, in its order (φ's hash)
         self._param_bytes = 0  # the model's fp32 parameters, in bytes (the first download's expected size)
         self._budget: CheckpointBudget | None = None  # the downloads' share of the swarm's bytes
+        self._deferred = False  # a download held back by the budget was logged
         self.server = None  # the gRPC server, once started
         self.channels: Channels | None = None
 
@@ -207,7 +208,13 @@ class Coordinator:
                                             self.admission.admits, first_bytes=self._param_bytes,
                                             most_wait_s=max(self.config.checkpoint.every_s, 60.0))
         if not self._budget.allows():
+            if not self._deferred:
+                self._deferred = True
+                logger.info("checkpoint deferred: the peers have sent %d of the %d bytes within whose %.0f%% "
+                            "the next download fits (checkpoint.max_share)", self._budget.swarm_sent(),
+                            self._budget.needed(), 100 * self.config.checkpoint.max_share)
             return
+        self._deferred = False
         trainers = [r for r in self.control.live_peers().values() if r.state == "training" and not r.client_mode
                     and r.peer_id not in self._refused_sources and self.admission.admits(r.peer_id)]
         due = [r for r in trainers if r.round >= self.last_checkpoint_round + every]

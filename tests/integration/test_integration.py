@@ -28,7 +28,7 @@ def small_config(steps):
     return default_config().override({
         "run.steps": steps, "diloco.inner_steps": H, "data.eval_every_tokens": 4 * H * 16 * 64 * 2,
         "sync.reduce_timeout_s": 8.0, "sync.announce_s": 3.0, "sync.manifest_s": 3.0, "checkpoint.every_rounds": 2,
-        "checkpoint.every_s": 0})
+        "checkpoint.every_s": 0, "checkpoint.max_share": 0})
 
 
 

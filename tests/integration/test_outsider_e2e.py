@@ -45,7 +45,7 @@ def test_outsiders_are_refused_by_a_live_swarm_and_change_nothing(tmp_path):
     config = default_config().override({
         "run.steps": H * ROUNDS, "diloco.inner_steps": H, "data.eval_every_tokens": 1 << 40,
         "data.eval_batches": 2, "sync.reduce_timeout_s": 8.0, "sync.announce_s": 3.0, "sync.manifest_s": 3.0,
-        "checkpoint.every_rounds": 2, "checkpoint.every_s": 0, "churn.spec": "join:1@r3"})
+        "checkpoint.every_rounds": 2, "checkpoint.every_s": 0, "checkpoint.max_share": 0, "churn.spec": "join:1@r3"})
     run_dir = tmp_path / "run"
     outsider = start_outsider(run_dir, 400)
     try:
