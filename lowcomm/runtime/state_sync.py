@@ -30,6 +30,8 @@ from lowcomm.runtime.state_transfer import StateError, decode_state, download_st
 MAX_STATE_BYTES = 8 << 30
 FETCH_DEADLINE_S = 600.0  # a joiner's wait for a source (the run may not have started)
 STATE_WAIT_S = 120.0  # how long a source may hold a download back until it reaches the requested round
+# a source whose state's round had no anchor this many times is passed over: a record may claim any round
+UNANCHORED_TRIES = 2
 ANCHOR_SLACK_S = 5.0  # beyond sync.announce_s, how long a download waits for the coordinator's anchor
 # a joiner that sees no state source yet looks again after this; each look reads every peer record from the
 # DHT (~15 KB on the wire at 4 peers), and at a run's start every peer looks for 2·heartbeat_s before it
@@ -120,6 +122,7 @@ class StateSync:
         deadline = time.monotonic() + (FETCH_DEADLINE_S if min_round is None else resync_deadline_s(self.config.sync))
         empty_since, failures = None, 0
         refused: set[str] = set()  # sources whose state was refused: another one is tried
+        unanchored: dict[str, int] = {}  # source -> its states whose round had no anchor yet
         while time.monotonic() < deadline and not ctx.stop.is_set():
             everyone = ctx.control.live_peers()
             records = [r for p, r in everyone.items()
@@ -149,7 +152,7 @@ class StateSync:
                 source = max(records, key=lambda r: r.round)
                 target = max(min_round or 0, source.round)
             self.membership.set(state="joining", round=target)
-            loaded = self._load_from(source, target, deadline)
+            loaded = self._load_from(source, target, deadline, unanchored)
             if loaded:
                 return True
             if loaded is False:
@@ -169,10 +172,11 @@ class StateSync:
             self.ctx.log.event("reject", sender=peer_id[:40], reason="a state source the run does not admit")
         return False
 
-    def _load_from(self, source, target: int, deadline: float) -> bool | None:
-        """True: loaded; False: the source's state was refused (its φ is not the agreed one); None: no state,
-        or no agreed φ hash of its round yet (tried again at the next look). The source holds the download
-        back until it reaches ``target``, at most until ``deadline``."""
+    def _load_from(self, source, target: int, deadline: float, unanchored: dict[str, int]) -> bool | None:
+        """True: loaded; False: the source's state was refused (its φ is not the agreed one, or its round
+        had no anchor UNANCHORED_TRIES times, counted in ``unanchored``); None: no state, or no agreed φ
+        hash of its round yet (tried again at the next look). The source holds the download back until it
+        reaches ``target``, at most until ``deadline``."""
         ctx, replica = self.ctx, self.replica
         wait_s = min(STATE_WAIT_S, max(1.0, deadline - time.monotonic()))
         try:
@@ -188,9 +192,10 @@ class StateSync:
             return None
         try:
             anchor = self._check(tensors, int(state.round), source.peer_id)
-        except Unanchored as e:  # the round is not settled yet: no fault of the source's, asked again later
+        except Unanchored as e:  # the round may not be settled yet: asked again, unless it keeps naming one that is not
             ctx.log.event("state_error", source=source.peer_id, error=str(e)[:200])
-            return None
+            unanchored[source.peer_id] = unanchored.get(source.peer_id, 0) + 1
+            return False if unanchored[source.peer_id] >= UNANCHORED_TRIES else None
         except StateError as e:
             ctx.log.event("state_error", source=source.peer_id, error=str(e)[:200])
             ctx.log.event("reject", sender=source.peer_id, round=int(state.round), reason=str(e)[:200])

@@ -362,6 +362,27 @@ def test_a_state_whose_round_is_not_anchored_yet_is_asked_again_not_refused(monk
     assert "reject" not in kinds and kinds.count("state_error") == 1 and "state_received" in kinds
 
 
+def test_a_source_that_keeps_serving_a_round_without_an_anchor_is_passed_over(monkeypatch):
+    store = {}
+    live = {"coord": PeerRecord("coord", "coord:1", state="coordinator"),
+            "ahead": PeerRecord("ahead", "ahead:1", state="training", round=90),  # claims the newest round
+            "honest": PeerRecord("honest", "honest:1", state="training", round=5)}
+    sync, events = state_sync("me", store, live)
+    publish_anchor(MemoryControl("coord", store, live), "0-0", Anchor(6, FakeReplica(1.0).phi_hash(), ("honest",)), 60)
+    downloads = []
+
+    def download(channels, traffic, endpoint, run, me, target, **kw):
+        downloads.append(endpoint)
+        return served(1.0, 91 if endpoint == "ahead:1" else 6, sync.config)
+
+    monkeypatch.setattr("lowcomm.runtime.state_sync.ANCHOR_SLACK_S", 0.0)
+    monkeypatch.setattr("lowcomm.runtime.state_sync.FETCH_DEADLINE_S", 30.0)
+    monkeypatch.setattr("lowcomm.runtime.state_sync.download_state", download)
+    assert sync.fetch(min_round=6)
+    assert downloads == ["ahead:1", "ahead:1", "honest:1"] and sync.replica.round == 6
+    assert "reject" not in [kind for kind, _ in events]
+
+
 def test_the_state_hash_is_the_replicas_own_phi_hash():
     model = build_model(RunConfig().model)
     for name in ("diloco", "ddp", "demo", "sparseloco"):
