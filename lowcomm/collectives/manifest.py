@@ -283,7 +283,11 @@ class ManifestAgreement:
         previous = self._previous(group, round_)
         if not self.quorum or previous is None:
             return None
-        return short_of_quorum(self.me, previous, members, self.reads.live())
+        records = self.reads.live()
+        if all(p == self.me or (p in records and records[p].state == "training") for p in previous):
+            if short_of_quorum(self.me, previous, members, records) is None:
+                return None  # with every previous member counted as live, a newer read only counts fewer
+        return short_of_quorum(self.me, previous, members, self.reads.live(fresh=True))
 
     def _gather(self, group: str, round_: int,
                 suspects: frozenset[str]) -> tuple[dict[str, dict], bool, tuple[dict, Manifest] | None]:
@@ -307,7 +311,7 @@ class ManifestAgreement:
             late = time.monotonic() >= deadline  # the round may go on without a peer: the DHT's records too
             announcers = {p: info for p, info in self.reads.announcers(group, round_, fresh=late).items()
                           if isinstance(info.get("endpoint"), str)}  # well-formed (withdrawals are dropped)
-            records = self.reads.live()
+            records = self.reads.live(fresh=late)
             due = {p for p, rec in records.items()
                    if rec.state in ("training", "joining") and rec.round <= round_ and p not in suspects
                    and self.due_in_group(group, rec) and self.admits(p)}
@@ -315,7 +319,8 @@ class ManifestAgreement:
             present = {p for p, info in announcers.items() if not info.get("ahead")} | {self.me}
             announced = due <= set(announcers) | {self.me}
             trusted = self.trusted(group, round_)
-            past = trusted is not None and any(records[p].round > round_ for p in trusted & records.keys())
+            past = trusted is not None and (any(records[p].round > round_ for p in trusted & records.keys())
+                                            or bool(trusted & self.wakes.posted(ANNOUNCE, group, round_ + 1).keys()))
             look = not due <= present and (announced or late or past or self.wakes.posted(MANIFEST, group, round_))
             fresh, read_past = past and not read_past, read_past or past
             manifests, settled = self._settled(group, round_, fresh) if look else ({}, None)
@@ -354,7 +359,7 @@ class ManifestAgreement:
         manifest = Manifest(self.control.run, group, round_, epoch_rounds, self.me, members,
                             {p: announcers[p]["endpoint"] for p in members}, owners, codec,
                             bounded_fan_in(self.control.run, group, round_, members, self.sync.max_contributors))
-        coordinator = [r.endpoint for r in self.reads.live().values() if r.state in ("coordinator", "holder")]
+        coordinator = [r.endpoint for r in self.reads.live(cached=True).values() if r.state in ("coordinator", "holder")]
         if self.me not in (self.trusted(group, round_) or ()):  # a reader past the round may need to see why it counts
             self.control.announce(group, round_, announcers[self.me], self._ttl)
         self.wakes.publish([manifest.endpoints[p] for p in members if p != self.me] + coordinator, MANIFEST, group,
@@ -390,8 +395,8 @@ class ManifestAgreement:
         if manifest is None:
             raise CollectiveError(f"round {round_}: every manifest that counts was malformed")
         previous = self._previous(group, round_)
-        if (self.quorum and previous is not None
-                and solo_after_others(self.me, previous, manifest.members, self.reads.live())):
+        if (self.quorum and previous is not None and set(manifest.members) <= {self.me}
+                and solo_after_others(self.me, previous, manifest.members, self.reads.live(fresh=True))):
             raise CollectiveError(f"round {round_}: a manifest naming only this peer after a round with others")
         self.learn(group, round_, manifest.members, manifest.endpoints)
         if self.me not in manifest.members:

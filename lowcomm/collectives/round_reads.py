@@ -4,8 +4,16 @@
 The posts are read at every look; the DHT when a look asks for it (``fresh``: before a round goes
 on without a peer, before this peer writes a manifest, a second look at racing manifests, a reader
 outside the round) and otherwise
-once per `Wakes.dht_poll_s`, which also bounds how old the cached live peer records get. Without
-posts every look reads the DHT.
+once per `Wakes.dht_poll_s`. Without posts every look reads the DHT.
+
+The live peer records a round's looks share are read again once older than a poll without posts (or
+with a `dht_poll_s` of 0: a peer nobody can post to), and with them once older than
+POSTED_RECORDS_POLL_S: the posts say who reached a round, so the records
+only say whom to expect, and a peer that posts is counted whatever the last read said; a post from a
+peer the last read did not hold whose first post came after it (a joiner) has them read again, a
+poll after that read (docs/round-protocol.md, Decision 53). Where a decision rests on a record's absence or state (going
+on without a peer, the quorum, a manifest naming only this peer) the caller asks for them
+``fresh``: read again once older than a poll, as without posts.
 
 A read of the live peer records that lacks this peer's own record, after one that held it, missed
 what it asked for: the records a read returns are held until they expire (transport.held_records),
@@ -26,6 +34,8 @@ from collections.abc import Iterator
 from lowcomm.transport.control import ControlPlane, PeerRecord
 from lowcomm.transport.round_posts import ANNOUNCE, MANIFEST, VOTE, merge_announcements
 from lowcomm.transport.wakeups import Wakes
+
+POSTED_RECORDS_POLL_S = 30.0  # with posts: how old the live records a round's looks share may get
 
 
 class RoundReads:
@@ -83,17 +93,29 @@ class RoundReads:
 
     def known_then_fresh(self) -> Iterator[dict[str, PeerRecord]]:
         """The live records of the last read, however old (read now if none was), then, unless that read
-        was just made, those of a fresh read (a new one once the last is older than a poll, as ``live``)."""
+        was just made, those of a newer read (one once the last is older than ``live``'s age)."""
         read_at = self._records[0]
         yield self.live(cached=True)
         if self._records[0] == read_at:
             yield self.live()
 
-    def live(self, cached: bool = False) -> dict[str, PeerRecord]:
-        """The live peer records, read again once older than a poll (a round's looks share one read);
-        ``cached``: the last ones read, whatever their age (read now only if none were)."""
-        age = time.monotonic() - self._records[0]
-        if age >= max(self.wakes.poll_s, self.wakes.dht_poll_s) and not (cached and age < float("inf")):
+    @property
+    def poll_s(self) -> float:
+        """How old the live records may get where a decision rests on them (``fresh``)."""
+        return max(self.wakes.poll_s, self.wakes.dht_poll_s)
+
+    def live(self, cached: bool = False, fresh: bool = False) -> dict[str, PeerRecord]:
+        """The live peer records, read again once older than a poll without posts and than
+        POSTED_RECORDS_POLL_S with them (a round's looks share one read); ``fresh``: once older than a poll
+        (the module says when); ``cached``: the last ones read, whatever their age (read now only if none
+        were)."""
+        read_at = self._records[0]
+        age = time.monotonic() - read_at
+        posted = self.wakes.posting and self.wakes.dht_poll_s > 0  # (a peer nobody posts to reads at every look)
+        max_age = max(self.poll_s, POSTED_RECORDS_POLL_S) if posted and not fresh else self.poll_s
+        if max_age > age >= self.poll_s and self.wakes.newcomers(read_at) - self._records[1].keys() - {self.me}:
+            max_age = self.poll_s  # a peer that read did not hold posted here since: its record is to be read
+        if age >= max_age and not (cached and age < float("inf")):
             self._records = (time.monotonic(), self._complete(self.control.live_peers()))
         return self._records[1]
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import OrderedDict
 from typing import Callable
 
@@ -35,6 +36,7 @@ SIGNED_KIND = "round-post"  # what the signature's kind field says (transport.si
 MAX_VALUE_BYTES = 256 * 1024  # a manifest of ~2,000 members
 MAX_POSTS_PER_ROUND = 4096
 MAX_ROUNDS = 64
+MAX_WRITERS = 4096  # the writers whose first post's time is kept (RoundPosts.newcomers)
 MAX_GROUP_CHARS = 256
 
 
@@ -76,6 +78,7 @@ class RoundPosts:
         self._lock = threading.Lock()
         self._rounds: OrderedDict[tuple[str, str, int], dict[str, dict]] = OrderedDict()
         self._own: OrderedDict[tuple[str, str, int], wire_pb2.WakeRequest] = OrderedDict()  # as signed and sent
+        self._first: OrderedDict[str, float] = OrderedDict()  # writer -> when its first post here came, in order
         self.accepted = 0
 
     def accept(self, request) -> tuple[str, int]:
@@ -118,6 +121,20 @@ class RoundPosts:
             if held is None or (kind == ANNOUNCE and announcement_rank(value) > announcement_rank(held)):
                 posts[writer] = value
             self.accepted += 1
+            if writer not in self._first:
+                self._first[writer] = time.monotonic()
+                while len(self._first) > MAX_WRITERS:
+                    self._first.popitem(last=False)
+
+    def newcomers(self, since: float) -> set[str]:
+        """The writers whose first post here came after ``since`` (time.monotonic), of the last MAX_WRITERS."""
+        out = set()
+        with self._lock:
+            for writer, first in reversed(self._first.items()):
+                if first <= since:
+                    break
+                out.add(writer)
+        return out
 
     def keep_own(self, request: wire_pb2.WakeRequest) -> None:
         """Keeps this peer's own signed post (post_request) to answer a pull (transport.post_pulls); the

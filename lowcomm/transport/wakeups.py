@@ -335,6 +335,10 @@ class Wakes:
         """writer -> the record of (kind, group, round) posted here ({} without posts)."""
         return self.posts.records(kind, group, round_) if self.posts is not None else {}
 
+    def newcomers(self, since: float) -> set[str]:
+        """The writers whose first post here came after ``since`` (time.monotonic; none without posts)."""
+        return self.posts.newcomers(since) if self.posts is not None else set()
+
     def dht_due(self, kind: str, group: str, round_: int) -> bool:
         """Whether a look at these records reads the DHT too: always without posts (or with ``dht_poll_s``
         ≤ 0); with them once per ``dht_poll_s``, the first look a poll after the records' first look
