@@ -36,6 +36,7 @@ from lowcomm.models.factory import build_model
 from lowcomm.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from lowcomm.runtime.checkpoint_budget import CheckpointBudget
 from lowcomm.runtime.round_anchor import FollowedRecords, RoundFollower
+from lowcomm.runtime.runlog import COORDINATOR_CALLS_FILE
 from lowcomm.runtime.run_config import publish_run_config
 from lowcomm.runtime.state_transfer import Snapshot, StateError, StateHolder, download_state, state_phi_hash
 from lowcomm.transport.addresses import grpc_endpoint
@@ -178,7 +179,17 @@ class Coordinator:
                     beat_at = time.monotonic() + self.config.sync.record_ttl_s / 2
             except Exception as e:  # keep serving; a failed checkpoint is retried next time
                 logger.warning("coordinator loop: %s", e)
+        self._write_calls()
         self.shutdown()
+
+    def _write_calls(self) -> None:
+        """Its DHT calls by kind, into COORDINATOR_CALLS_FILE in the run dir (simulate's report counts them apart)."""
+        try:
+            tmp = self.run_dir / (COORDINATOR_CALLS_FILE + ".tmp")
+            tmp.write_text(json.dumps({"control_calls": dict(self.control.calls)}))
+            tmp.replace(self.run_dir / COORDINATOR_CALLS_FILE)
+        except OSError as e:
+            logger.info("could not write the DHT calls: %s", e)
 
     def _follow_rounds(self) -> None:
         if self.follower is None:

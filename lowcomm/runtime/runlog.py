@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
+COORDINATOR_CALLS_FILE = "coordinator-calls.json"  # in the run dir: the coordinator's DHT calls, as it stopped
 
 
 class RunLog:

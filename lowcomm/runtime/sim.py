@@ -47,7 +47,7 @@ from lowcomm.runtime.churn import ChurnExecutor, ChurnPlan, parse_churn
 from lowcomm.runtime.processes import (Process, SimulationError, spawn, terminate_ignored, terminate_raises,
                                        wait_for_file)
 from lowcomm.runtime.report import build_report
-from lowcomm.runtime.runlog import read_records
+from lowcomm.runtime.runlog import COORDINATOR_CALLS_FILE, read_records
 from lowcomm.runtime.sim_netns import NamespaceMode
 from lowcomm.transport.netns import NetnsLab
 from lowcomm.transport.shaper import LinkSpec, parse_link_option
@@ -328,7 +328,8 @@ class Simulation(NamespaceMode):
     def report(self, started: float) -> dict:
         torch_params = sum(p.numel() for p in build_model(self.config.model).parameters())
         records = self.records()
-        extra = {"config_hash": self.config.config_hash(), "run_dir": str(self.run_dir)}
+        extra = {"config_hash": self.config.config_hash(), "run_dir": str(self.run_dir),
+                 "coordinator_control_calls": self._coordinator_calls()}
         links = None
         if self.lab is not None:
             ids = self.peer_ids(records)
@@ -344,6 +345,14 @@ class Simulation(NamespaceMode):
             # about once a second: what the peers had sent on the wire t seconds into training
             report["wire_timeline"] = [{"t": t - first_t, "bytes": b} for t, b in self.wire_samples]
         return report
+
+    def _coordinator_calls(self) -> dict[str, int] | None:
+        """The coordinator's DHT calls by kind, as it wrote them when it stopped (None: it did not)."""
+        try:
+            calls = json.loads((self.run_dir / COORDINATOR_CALLS_FILE).read_text()).get("control_calls")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return {str(k): int(v) for k, v in calls.items()} if isinstance(calls, dict) else None
 
 
 def _last_compute(records: list[dict]) -> dict[str, dict]:
