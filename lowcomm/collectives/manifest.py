@@ -359,7 +359,8 @@ class ManifestAgreement:
         manifest = Manifest(self.control.run, group, round_, epoch_rounds, self.me, members,
                             {p: announcers[p]["endpoint"] for p in members}, owners, codec,
                             bounded_fan_in(self.control.run, group, round_, members, self.sync.max_contributors))
-        coordinator = [r.endpoint for r in self.reads.live(cached=True).values() if r.state in ("coordinator", "holder")]
+        coordinator = [r.endpoint for r in self.reads.live(cached=True).values()
+                       if r.state in ("coordinator", "holder")]
         if self.me not in (self.trusted(group, round_) or ()):  # a reader past the round may need to see why it counts
             self.control.announce(group, round_, announcers[self.me], self._ttl)
         self.wakes.publish([manifest.endpoints[p] for p in members if p != self.me] + coordinator, MANIFEST, group,

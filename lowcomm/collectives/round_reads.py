@@ -8,12 +8,12 @@ once per `Wakes.dht_poll_s`. Without posts every look reads the DHT.
 
 The live peer records a round's looks share are read again once older than a poll without posts (or
 with a `dht_poll_s` of 0: a peer nobody can post to), and with them once older than
-POSTED_RECORDS_POLL_S: the posts say who reached a round, so the records
-only say whom to expect, and a peer that posts is counted whatever the last read said; a post from a
-peer the last read did not hold whose first post came after it (a joiner) has them read again, a
-poll after that read (docs/round-protocol.md, Decision 53). Where a decision rests on a record's absence or state (going
-on without a peer, the quorum, a manifest naming only this peer) the caller asks for them
-``fresh``: read again once older than a poll, as without posts.
+POSTED_RECORDS_POLL_S: the posts say who reached a round, so the records only say whom to expect,
+and a peer that posts is counted whatever the last read said. A post from a peer the last read did
+not hold, whose first post came after that read (a joiner), has them read again a poll after it.
+Where a decision rests on a record's absence or state (going on without a peer, the quorum, a
+manifest naming only this peer) the caller asks for them ``fresh``: read again once older than a
+poll, as without posts (docs/round-protocol.md, Decision 53).
 
 A read of the live peer records that lacks this peer's own record, after one that held it, missed
 what it asked for: the records a read returns are held until they expire (transport.held_records),
