@@ -93,7 +93,9 @@ def test_a_round_that_goes_on_without_a_peer_reads_the_records_fresh(signers):
     outcome = {}
     thread = threading.Thread(target=lambda: outcome.update(members=agreements[a].agree(GROUP, 5, 1, "fp32").members))
     thread.start()
-    time.sleep(1.2)  # b is late: 6 polls of the DHT (0.2 s) in, well before a's deadline (4 s)
+    deadline = time.monotonic() + WAIT_S  # b is late: it announces once a polled the DHT 3 times (0.2 s apart)
+    while controls[a].reads["announce"] < 3 and time.monotonic() < deadline:
+        thread.join(0.05)
     agreements[b].announce(GROUP, 5)
     thread.join(WAIT_S)
     assert outcome == {"members": [a, b]}
