@@ -75,6 +75,7 @@ class ReplicaSpec:
 class Replica(ABC):
     shared_phi = True  # every replica holds the same φ after a round: its hash is published and checked
     per_step = False  # the round is the optimizer step (ddp, DeMo): membership epochs
+    announces_ahead = False  # the next round is announced as soon as a round is applied (runtime.peer)
     steps_inner_optimizer = True  # False: the replica's own update replaces the inner optimizer's step
     catches_up = True  # a round this replica was left out of can be fetched from its members
 
@@ -113,8 +114,10 @@ class Replica(ABC):
         return ahead
 
     def enter(self, round_: int, wait_s: float = 0.0) -> bool:
-        """After a state download labelled ``round_``; False when a round in flight there was dropped."""
-        self.round, self._ahead = round_, None
+        """After a state download labelled ``round_``; False when a round in flight there was dropped. A
+        replica that announces ahead announces ``round_`` at once, as after an applied round: the members
+        count this peer from its post, whatever their last read of its record (Decision 53)."""
+        self.round, self._ahead = round_, round_ if self.announces_ahead else None
         return True
 
     def global_model(self):

@@ -49,14 +49,6 @@ class OuterReplica(Replica):
             self._ahead = self.round
         return True
 
-    def enter(self, round_: int, wait_s: float = 0.0) -> bool:
-        """After a state download labelled ``round_``, that round is announced ahead at once, as after an
-        applied round: the members count this peer from its post, whatever their last read of its record
-        (docs/round-protocol.md, Decision 53)."""
-        entered = super().enter(round_, wait_s)
-        self._ahead = round_ if self.announces_ahead else None
-        return entered
-
     # ---- one round ---------------------------------------------------------------------------
 
     def pseudo_gradients(self) -> list[torch.Tensor]:

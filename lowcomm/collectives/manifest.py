@@ -21,12 +21,8 @@ algorithms do not touch the DHT every step).
 leaves those it refuses out, they are never candidate leaders nor waited for, and a manifest written
 by or naming one is refused (each a `reject` event).
 
-With ``quorum`` (training peers; docs/round-protocol.md, Decision 27) a peer writes a manifest only
-once a majority of the previous manifest's members still live in the DHT (a killed peer's record
-expires, a leaver's is tombstoned) reached the round, never one that only it reached after a round
-with others, and follows no manifest naming only itself after such a round: a peer cut off from the
-swarm fails the round (after `quorum_wait_s`, withdrawing its announcement) instead of training
-alone on a φ of its own.
+With ``quorum`` (training peers; collectives.quorum, Decision 27) a peer cut off from the swarm fails
+the round (after `quorum_wait_s`, withdrawing its announcement) instead of training alone on its own φ.
 """
 
 from __future__ import annotations
@@ -37,8 +33,8 @@ from typing import Callable
 
 from lowcomm.collectives.base import CollectiveError, NotInRound
 from lowcomm.collectives.config import SyncConfig
-from lowcomm.collectives.manifest_record import Manifest, bounded_fan_in, first_valid  # noqa: F401 (imported from here)
-from lowcomm.collectives.quorum import short_of_quorum, solo_after_others
+from lowcomm.collectives.manifest_record import Manifest, bounded_fan_in, first_outsider, first_valid  # noqa: F401
+from lowcomm.collectives.quorum import short_of_quorum_read, solo_after_others
 from lowcomm.collectives.round_reads import RoundReads
 from lowcomm.collectives.silent_records import SilentRecords
 from lowcomm.transport.control import ControlPlane, PeerRecord
@@ -63,14 +59,11 @@ class ManifestAgreement:
         `quorum`: write and follow only manifests a majority of the previous members' live ones reached.
         `wakes`: what waits end on (default: a poll every POLL_S, nobody woken)."""
         self.wakes = wakes or Wakes.polling(POLL_S)
-        self.control = control
-        self.quorum = quorum
+        self.control, self.sync, self.quorum = control, sync, quorum
         self.admits = admits or (lambda peer_id: True)
         self.due_in_group = due_in_group or (lambda group, record: True)
         self.on_event = on_event or (lambda kind, **fields: None)
-        self.sync = sync
-        self.endpoint = endpoint
-        self.client_mode = client_mode
+        self.endpoint, self.client_mode = endpoint, client_mode
         self.me = control.identity.peer_id
         self._known: dict[str, list[tuple[int, frozenset[str]]]] = {}  # group -> (first round, members), by round
         self._refused: set[tuple[str, int, str, str]] = set()  # (group, round, peer, reason) already counted
@@ -136,15 +129,12 @@ class ManifestAgreement:
         """The manifests written by a peer the run admits and naming no other member."""
         out = {}
         for writer, raw in manifests.items():
-            members = raw.get("members") if isinstance(raw, dict) else None
-            members = [m for m in members if isinstance(m, str)] if isinstance(members, list) else []
-            outsider = next((m for m in [writer, *members] if not self.admits(m)), None)
+            outsider = first_outsider(writer, raw, self.admits)
             if outsider is None:
                 out[writer] = raw
-            elif outsider == writer:
-                self._refuse(group, round_, writer, "a manifest written by a peer the run does not admit")
             else:
-                self._refuse(group, round_, writer, f"a manifest naming {outsider[:40]}, a peer the run does not admit")
+                named = "written by a peer" if outsider == writer else f"naming {outsider[:40]}, a peer"
+                self._refuse(group, round_, writer, f"a manifest {named} the run does not admit")
         return out
 
     @property
@@ -283,11 +273,8 @@ class ManifestAgreement:
         previous = self._previous(group, round_)
         if not self.quorum or previous is None:
             return None
-        records = self.reads.live()
-        if all(p == self.me or (p in records and records[p].state == "training") for p in previous):
-            if short_of_quorum(self.me, previous, members, records) is None:
-                return None  # with every previous member counted as live, a newer read only counts fewer
-        return short_of_quorum(self.me, previous, members, self.reads.live(fresh=True))
+        return short_of_quorum_read(self.me, previous, members, self.reads.live(),
+                                    lambda: self.reads.live(fresh=True))
 
     def _gather(self, group: str, round_: int,
                 suspects: frozenset[str]) -> tuple[dict[str, dict], bool, tuple[dict, Manifest] | None]:
@@ -301,21 +288,15 @@ class ManifestAgreement:
         once if it names this peer (a joiner no announcement post reached), and at once if a previous
         member wrote it (a peer a round behind: it is not in it, and catches the round up, Decision 48).
         It is looked for (posted, and in the DHT at its poll) once every due peer announced, once one is
-        posted here, at the deadline, and once a previous member's record names a later round (the run
-        moved past the round: the DHT at once, one read).
-        A live record that missed a round and stayed silent since is not waited for
-        (collectives.silent_records): a dead peer's record until it expires, a cut-off peer's from before
-        the cut and a forged one cost one or two waits, not one per round."""
+        posted here, at the deadline, and once a previous member's record or posted announcement names a
+        later round (the run moved past the round: the DHT at once, one read). A live record that missed a
+        round and stayed silent since is not waited for (collectives.silent_records)."""
         deadline, read_past = time.monotonic() + self.sync.announce_s, False
         while True:
             late = time.monotonic() >= deadline  # the round may go on without a peer: the DHT's records too
             announcers = {p: info for p, info in self.reads.announcers(group, round_, fresh=late).items()
                           if isinstance(info.get("endpoint"), str)}  # well-formed (withdrawals are dropped)
-            records = self.reads.live(fresh=late)
-            due = {p for p, rec in records.items()
-                   if rec.state in ("training", "joining") and rec.round <= round_ and p not in suspects
-                   and self.due_in_group(group, rec) and self.admits(p)}
-            due -= self.silent.silent(group, round_, due, records)
+            records, due = self._due(group, round_, suspects, fresh=late)
             present = {p for p, info in announcers.items() if not info.get("ahead")} | {self.me}
             announced = due <= set(announcers) | {self.me}
             trusted = self.trusted(group, round_)
@@ -330,10 +311,23 @@ class ManifestAgreement:
                 if missing:  # a live record that never announced (dead, or late): the round goes on without it
                     self.on_event("timeout", round=round_, stage="announce", missing=sorted(missing),
                                   **({} if late else {"settled": True}))  # no wait: the manifest was there
-                self.silent.close(group, round_, records, announcers, missing)
+                self.silent.close(group, round_, records, announcers, missing, self.reads.read_at)
                 announcers[self.me] = self._presence
                 return announcers, due <= present, (manifests, settled) if settled is not None else None
             self.wakes.wait(group, round_, deadline - time.monotonic())
+
+    def _due(self, group: str, round_: int, suspects: frozenset[str], fresh: bool) -> tuple[dict, set[str]]:
+        """The live records, and the peers due in ``round_`` they name, less ``suspects`` and silent ones; read
+        again (``fresh``) where a silent one's record is from the read its miss was judged on."""
+        def named(records):
+            return {p for p, rec in records.items()
+                    if rec.state in ("training", "joining") and rec.round <= round_ and p not in suspects
+                    and self.due_in_group(group, rec) and self.admits(p)}
+        records = self.reads.live(fresh=fresh)
+        if self.silent.stale(group, self.silent.silent(group, round_, named(records), records), self.reads.read_at):
+            records = self.reads.live(fresh=True)
+        due = named(records)
+        return records, due - self.silent.silent(group, round_, due, records)
 
     def _settled(self, group: str, round_: int, fresh: bool = False) -> tuple[dict[str, dict], Manifest | None]:
         """The round's manifests from previous members (any writer's without one) and the one to follow, if

@@ -77,3 +77,10 @@ def first_valid(manifests: dict[str, dict], group: str, round_: int,
             continue
         return manifest
     return None
+
+
+def first_outsider(writer: str, raw, admits) -> str | None:
+    """The first of a raw manifest's ``writer`` and named members that ``admits(peer_id)`` refuses, if any."""
+    members = raw.get("members") if isinstance(raw, dict) else None
+    members = [m for m in members if isinstance(m, str)] if isinstance(members, list) else []
+    return next((m for m in [writer, *members] if not admits(m)), None)

@@ -12,7 +12,7 @@ previous members is training any more, the run goes on.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from lowcomm.transport.control import PeerRecord
 
@@ -30,6 +30,17 @@ def short_of_quorum(me: str, previous: frozenset[str], members: Iterable[str],
     if standing and 2 * len(present) <= len(standing):
         return f"{len(present)} of the previous round's {len(standing)} live members reached it, not a majority"
     return None
+
+
+def short_of_quorum_read(me: str, previous: frozenset[str], members: Iterable[str],
+                         cached: Mapping[str, PeerRecord], fresh: Callable[[], Mapping[str, PeerRecord]]) -> str | None:
+    """`short_of_quorum` on the ``cached`` records where they count every previous member as training and
+    give the quorum (a newer read can only count fewer), else on the records ``fresh()`` reads."""
+    members = set(members)
+    if all(p == me or (p in cached and cached[p].state == "training") for p in previous):
+        if short_of_quorum(me, previous, members, cached) is None:
+            return None
+    return short_of_quorum(me, previous, members, fresh())
 
 
 def solo_after_others(me: str, previous: frozenset[str], members: Iterable[str],

@@ -10,7 +10,8 @@ The live peer records a round's looks share are read again once older than a pol
 with a `dht_poll_s` of 0: a peer nobody can post to), and with them once older than
 POSTED_RECORDS_POLL_S: the posts say who reached a round, so the records only say whom to expect,
 and a peer that posts is counted whatever the last read said. A post from a peer the last read did
-not hold, whose first post came after that read (a joiner), has them read again a poll after it.
+not hold (or held as not training: a parked joiner), whose first post came after that read, has them
+read again a poll after it.
 Where a decision rests on a record's absence or state (going on without a peer, the quorum, a
 manifest naming only this peer) the caller asks for them ``fresh``: read again once older than a
 poll, as without posts (docs/round-protocol.md, Decision 53).
@@ -100,6 +101,11 @@ class RoundReads:
             yield self.live()
 
     @property
+    def read_at(self) -> float:
+        """When (time.monotonic) the live records ``live`` returns were read."""
+        return self._records[0]
+
+    @property
     def poll_s(self) -> float:
         """How old the live records may get where a decision rests on them (``fresh``)."""
         return max(self.wakes.poll_s, self.wakes.dht_poll_s)
@@ -113,8 +119,9 @@ class RoundReads:
         age = time.monotonic() - read_at
         posted = self.wakes.posting and self.wakes.dht_poll_s > 0  # (a peer nobody posts to reads at every look)
         max_age = max(self.poll_s, POSTED_RECORDS_POLL_S) if posted and not fresh else self.poll_s
-        if max_age > age >= self.poll_s and self.wakes.newcomers(read_at) - self._records[1].keys() - {self.me}:
-            max_age = self.poll_s  # a peer that read did not hold posted here since: its record is to be read
+        expected = {p for p, rec in self._records[1].items() if rec.state in ("training", "joining")}
+        if max_age > age >= self.poll_s and self.wakes.newcomers(read_at) - expected - {self.me}:
+            max_age = self.poll_s  # a peer that read did not hold, or held parked, posted here since: read again
         if age >= max_age and not (cached and age < float("inf")):
             self._records = (time.monotonic(), self._complete(self.control.live_peers()))
         return self._records[1]

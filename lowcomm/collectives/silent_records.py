@@ -8,6 +8,8 @@ makes a peer due again, since a slow peer's record names its next round, but onl
 has seen take part (announcing a round, or named in a manifest it learnt) or one that missed fewer than
 STRIKES rounds: a forged record that names each next round and never announces (a sybil's) costs two waits,
 not one per round. A posted announcement, or a learnt manifest naming the peer, always makes it due again.
+An unchanged record says so only when read after the miss: the records a round's looks share may be older
+(Decision 53), so a gather that would pass over a peer on the read its miss was judged on reads them again.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class SilentRecords:
     def __init__(self, wakes: Wakes):
         self.wakes = wakes  # its posted announcements (read at each look: a test may swap `posted`)
         self._missed: dict[str, dict[str, Missed]] = {}
+        self._judged_on: dict[str, dict[str, float]] = {}  # per group: peer -> when the read its miss saw was made
         self._seen: dict[str, set[str]] = {}
 
     def named(self, group: str, round_: int, members) -> None:
@@ -41,9 +44,17 @@ class SilentRecords:
         missed = self._missed.get(group, {})
         return {p for p in due & missed.keys() if self._silent(group, round_, p, missed[p], records[p])}
 
-    def close(self, group: str, round_: int, records: dict[str, PeerRecord], announcers, missing) -> None:
-        """A gather of ``round_`` ended: ``missing`` (due peers that did not announce) missed it; a peer that
-        announced leaves the misses; one whose record is gone is forgotten."""
+    def stale(self, group: str, peers: set[str], read_at: float) -> bool:
+        """Whether the records read at ``read_at`` are the ones a miss of one of ``peers`` was judged on (or
+        older): they cannot show its record changed since."""
+        judged = self._judged_on.get(group, {})
+        return any(judged.get(p, float("-inf")) >= read_at for p in peers)
+
+    def close(self, group: str, round_: int, records: dict[str, PeerRecord], announcers, missing,
+              read_at: float = float("-inf")) -> None:
+        """A gather of ``round_`` ended on the ``records`` read at ``read_at``: ``missing`` (due peers that
+        did not announce) missed it; a peer that announced leaves the misses; one whose record is gone is
+        forgotten."""
         missed, seen = self._missed.get(group, {}), self._seen.setdefault(group, set())
         seen.intersection_update(records.keys())
         seen.update(announcers)
@@ -51,6 +62,8 @@ class SilentRecords:
         self._missed[group] = {**kept, **{p: (round_, records[p].state, records[p].round,
                                               min(missed[p][3] + 1, STRIKES) if p in missed else 1)
                                           for p in missing}}
+        judged = self._judged_on.get(group, {})
+        self._judged_on[group] = {**{p: t for p, t in judged.items() if p in kept}, **{p: read_at for p in missing}}
 
     def _silent(self, group: str, round_: int, peer: str, missed: Missed, record: PeerRecord) -> bool:
         since, state, at, strikes = missed

@@ -156,6 +156,7 @@ class TrainingPeer:
             if not self.state.fetch():
                 self.state.publish_snapshot()
             self.membership.set(state="training")
+            self._announce_ahead(self.replica.take_ahead())  # the round a downloaded state entered
             self.console.say(f"peer {self.ctx.me} training in run {self.ctx.options.run_name} from round "
                              f"{self.replica.round} ({self.config.run.algo}, {self.trainer.device.type}); records in "
                              f"{self.ctx.log.path or 'nowhere (no --run-dir)'}")
@@ -251,13 +252,12 @@ class TrainingPeer:
             ok = call(step)
         except RoundFailed as e:
             self.state.resync(str(e))
+            self._announce_ahead(self.replica.take_ahead())  # the round a downloaded state entered
             return False
         self.membership.record.round = self.replica.round
         if self._landed_any:
             self.state.publish_round()
-        ahead = self.replica.take_ahead()
-        if ahead is not None:
-            self._announce_ahead(ahead)
+        self._announce_ahead(self.replica.take_ahead())
         return ok
 
     def _finish(self) -> None:
@@ -307,14 +307,16 @@ class TrainingPeer:
         p.eval_due(tokens, info.get("leader") == self.ctx.me)
         self._landed_any = True
 
-    def _announce_ahead(self, round_: int) -> None:
-        """Announces the next round as soon as this one is applied (DiLoCo, SparseLoCo, Streaming, overlap).
+    def _announce_ahead(self, round_: int | None) -> None:
+        """Announces the next round as soon as this one is applied (DiLoCo, SparseLoCo, Streaming, overlap),
+        and the round a downloaded state enters (None: nothing to announce).
 
         A peer a few seconds behind the round's leader is then a member whose contribution is awaited
         until the reduce deadline, instead of being left out after `sync.announce_s` with its H steps
         lost. The late-announce fault hook skips it for the round it targets.
         """
-        if round_ < self.config.total_rounds and not self.ctx.faults.at(Fault.LATE_ANNOUNCE, round_):
+        if (round_ is not None and round_ < self.config.total_rounds
+                and not self.ctx.faults.at(Fault.LATE_ANNOUNCE, round_)):
             self.membership.announce_ahead(self.collective, self.key, round_)
 
     # ---- fault injection (runtime.faults) -----------------------------------------------------

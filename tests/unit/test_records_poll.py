@@ -18,6 +18,7 @@ from lowcomm.collectives.config import SyncConfig
 from lowcomm.collectives.manifest import ManifestAgreement
 from lowcomm.collectives.manifest_record import Manifest
 from lowcomm.algorithms.diloco import DiLoCo, DilocoConfig
+from lowcomm.algorithms.overlapped import Overlapped
 from lowcomm.collectives import round_reads
 from lowcomm.collectives.round_reads import POSTED_RECORDS_POLL_S
 from lowcomm.transport.control import PeerRecord
@@ -133,13 +134,16 @@ def test_a_peer_a_round_behind_learns_it_from_a_members_posted_announcement_of_t
     assert not [f for kind, f in events[a] if kind == "timeout"]
 
 
-def test_a_replica_that_downloaded_a_state_announces_its_round_ahead_at_once():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_replica_that_downloaded_a_state_announces_its_round_ahead_at_once(overlap):
     """Members whose last read predates a joiner's record count it from that post (Decision 53)."""
     model = nn.Sequential(nn.Linear(4, 2))
-    diloco = DiLoCo(model, DilocoConfig(), InProcessGroup(1).replica(0), GroupKey("test"))
-    assert diloco.take_ahead() is None
-    assert diloco.enter(7)
-    assert diloco.round == 7 and diloco.take_ahead() == 7 and diloco.take_ahead() is None
+    replica = DiLoCo(model, DilocoConfig(), InProcessGroup(1).replica(0), GroupKey("test"))
+    if overlap:  # no manifest of round 6 to fetch: that round is dropped, round 7 is still announced
+        replica = Overlapped(replica, manifest_of=lambda round_: None)
+    assert replica.take_ahead() is None
+    assert replica.enter(7) is not overlap
+    assert replica.round == 7 and replica.take_ahead() == 7 and replica.take_ahead() is None
 
 
 def test_a_post_from_a_peer_the_last_read_predates_has_the_records_read_again_once(signers, monkeypatch):
@@ -159,3 +163,42 @@ def test_a_post_from_a_peer_the_last_read_predates_has_the_records_read_again_on
     assert set(member.reads.live()) == set(ids) and controls[a].reads["peers"] == 2
     later[0] += POSTED_DHT_POLL_S
     assert set(member.reads.live()) == set(ids) and controls[a].reads["peers"] == 2  # once, not at every poll
+
+
+def test_a_silent_peer_whose_miss_was_judged_on_the_shared_read_has_its_record_read_again(signers, monkeypatch):
+    # d misses round 5; its record then names round 6 (it caught the round up), which the read the
+    # others' looks share cannot show: round 6's gather reads the records again and waits for d
+    sync = SyncConfig(announce_s=0.5, manifest_s=NEVER_S)
+    ids, agreements, controls, _, events = swarm(signers, sync, poll_s=0.05, dht_poll_s=POSTED_DHT_POLL_S)
+    a, b, c, d = ids
+    for agreement in agreements.values():
+        agreement.learn(GROUP, 4, ids)
+    later = [0.0]  # the records' clock, moved past the DHT's poll between the rounds, short of the records'
+    monkeypatch.setattr(round_reads, "time", SimpleNamespace(monotonic=lambda: time.monotonic() + later[0]))
+    members = {p: agreements[p] for p in (a, b, c)}
+    assert agree_all(members, 5) == {p: [a, b, c] for p in (a, b, c)}
+    reads = controls[a].reads["peers"]
+    controls[a].live[d] = PeerRecord(d, f"{d}:1", state="training", round=6)
+    later[0] += POSTED_DHT_POLL_S * 1.5
+    assert agree_all(members, 6) == {p: [a, b, c] for p in (a, b, c)}
+    for p in (a, b, c):
+        missing = [f["missing"] for kind, f in events[p] if kind == "timeout" and f.get("stage") == "announce"]
+        assert missing == [[d], [d]], (p, events[p])
+    assert controls[a].reads["peers"] == reads + 1  # once, for round 6's gather
+
+
+def test_a_post_from_a_peer_the_last_read_held_parked_has_the_records_read_again(signers, monkeypatch):
+    # a parked joiner is in the read, but not as a peer to expect: its first post (released, it downloaded
+    # a state) has the records read again, so this peer's own posts go to it too
+    sync = SyncConfig(announce_s=NEVER_S, manifest_s=NEVER_S)
+    ids, agreements, controls, _, _ = swarm(signers, sync, poll_s=0.05, dht_poll_s=POSTED_DHT_POLL_S)
+    a, b, c, joiner = ids
+    controls[a].live[joiner] = PeerRecord(joiner, f"{joiner}:1", state="parked", round=0)
+    member = agreements[a]
+    assert member.reads.live()[joiner].state == "parked"
+    later = [0.0]
+    monkeypatch.setattr(round_reads, "time", SimpleNamespace(monotonic=lambda: time.monotonic() + later[0]))
+    controls[a].live[joiner] = PeerRecord(joiner, f"{joiner}:1", state="training", round=6)
+    agreements[joiner].announce(GROUP, 6, ahead=True)
+    later[0] += POSTED_DHT_POLL_S
+    assert member.reads.live()[joiner].state == "training" and controls[a].reads["peers"] == 2
