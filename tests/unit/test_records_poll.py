@@ -1,8 +1,9 @@
 """The live peer records under posts (collectives.round_reads, docs/round-protocol.md, Decision 53): rounds
 that settle from posts share one read of the records for POSTED_RECORDS_POLL_S; a round that goes on
 without a peer reads them fresh; a peer a round behind learns that the run moved on from a member's
-posted announcement of the next round, not from that member's record; and a peer that downloaded a
-state announces its round ahead at once."""
+posted announcement of the next round, not from that member's record; a peer that downloaded a
+state announces its round ahead at once; and the shared read hides no peer that is back: a parked
+joiner's first post, or a silent peer judged on that very read, has the records read again."""
 
 from __future__ import annotations
 
