@@ -1,4 +1,4 @@
-"""An outsider attacking a live swarm, as a stranger would: fresh RSA keys, its own DHT node joined
+"""An outsider attacking a live swarm, as a stranger would: fresh keys, its own DHT node joined
 through the coordinator's multiaddr, and the project's own gRPC stubs and message helpers.
 
 It knows only what anyone may read: the coordinator's join information (``coordinator.json`` of a
@@ -36,7 +36,6 @@ from pathlib import Path
 
 import grpc
 import torch
-from hivemind.dht.crypto import RSASignatureValidator
 
 from lowcomm.collectives.combiners import DenseMean
 from lowcomm.collectives.manifest_record import Manifest
@@ -45,6 +44,7 @@ from lowcomm.proto import wire_pb2
 from lowcomm.runtime.state_transfer import StateHolder, download_state, encode_state
 from lowcomm.transport.control import ControlPlane, PeerRecord
 from lowcomm.transport.identity import Identity
+from lowcomm.transport.record_signing import SignedRecords
 from lowcomm.transport.service import PeerService
 from lowcomm.transport.signing import Signer, digest
 from lowcomm.transport.wire import Channels, Traffic, start_server
@@ -61,20 +61,19 @@ SYBILS = 3
 POISON = 666.0
 
 
-class MultiKeyValidator(RSASignatureValidator):
+class MultiKeyValidator(SignedRecords):
     """Signs each record with the key its `[owner:...]` marker names: one DHT node writes for every
-    outsider key (hivemind's own validator signs for one key only)."""
+    outsider key (a node's own validator signs for one key only)."""
 
     def __init__(self, identities: list[Identity]):
-        super().__init__(identities[0].private_key)
-        self._by_marker = {i.owner_marker: i.private_key for i in identities}
+        super().__init__(identities[0].sign, identities[0].owner_marker)
+        self._by_marker = {i.owner_marker: i.sign for i in identities}
 
-    def sign_value(self, record) -> bytes:
-        for marker, key in self._by_marker.items():
+    def sign_with(self, record):
+        for marker, sign in self._by_marker.items():
             if marker in record.key or (record.subkey is not None and marker in record.subkey):
-                signature = key.sign(self._serialize_record(record))
-                return record.value + self.SIGNATURE_FORMAT.replace(b"_value_", signature)
-        return record.value
+                return sign
+        return None
 
 
 class Outsider:

@@ -31,7 +31,7 @@ from lowcomm.algorithms.registry import PAIRS, algorithm
 from lowcomm.collectives.base import GroupKey
 from lowcomm.collectives.manifest import ManifestAgreement
 from lowcomm.runtime.admission import Admission
-from lowcomm.config import RunConfig
+from lowcomm.config import ConfigError, RunConfig
 from lowcomm.models.factory import build_model
 from lowcomm.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from lowcomm.runtime.checkpoint_budget import CheckpointBudget
@@ -41,7 +41,7 @@ from lowcomm.runtime.run_config import publish_run_config
 from lowcomm.runtime.state_transfer import Snapshot, StateError, StateHolder, download_state, state_phi_hash
 from lowcomm.transport.addresses import grpc_endpoint
 from lowcomm.transport.control import ControlPlane, PeerRecord
-from lowcomm.transport.identity import Identity
+from lowcomm.transport.identity import Identity, KeyFileError
 from lowcomm.transport.round_posts import RoundPosts
 from lowcomm.transport.service import PeerService
 from lowcomm.transport.wakeups import Wakes
@@ -65,7 +65,10 @@ class Coordinator:
         self.resume = resume
         self.ready_file = ready_file
         self.stop_requested = threading.Event()
-        self.identity = Identity.load_or_create(self.run_dir / "coordinator.key")
+        try:
+            self.identity = Identity.load_or_create(self.run_dir / "coordinator.key")
+        except KeyFileError as e:
+            raise ConfigError(str(e)) from None
         # who the run admits (run.mode): only they are followed, voted with and checkpointed from
         self.admission = Admission(config.run, self.identity.public_key_text, lambda: self.control.live_peers())
         self.last_checkpoint_round = 0

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import socket
 
-from cryptography.hazmat.primitives.serialization import load_ssh_public_key
 from hivemind.utils.multiaddr import Multiaddr
 
 from lowcomm.config import ConfigError
@@ -15,6 +14,7 @@ from lowcomm.runtime.checkpoint import CheckpointError, load_checkpoint
 from lowcomm.runtime.options import PeerOptions
 from lowcomm.runtime.trainer import resolve_device
 from lowcomm.transport.addresses import is_host, split_announce
+from lowcomm.transport.identity import public_key_from_text
 
 
 def check_multiaddrs(addresses: list[str], flag: str = "--coordinator") -> None:
@@ -31,8 +31,8 @@ def check_multiaddrs(addresses: list[str], flag: str = "--coordinator") -> None:
 
 def check_run_key(text: str) -> None:
     try:
-        load_ssh_public_key(b"ssh-rsa " + text.strip().encode())
-    except Exception:  # cryptography's errors for a malformed key vary by version
+        public_key_from_text(text)
+    except ValueError:
         raise ConfigError("--run-key is not the coordinator's public key; copy it (AAAA...) from the "
                           "coordinator's join command") from None
 

@@ -1,7 +1,7 @@
 """The control plane on hivemind's DHT: run config, peer records, round announcements, manifests, φ hashes.
 
 Every record lives under a subkey that carries its writer's `[owner:<public key>]` marker, so
-hivemind's RSASignatureValidator makes it writable by that key only; readers further check that a
+transport.record_signing makes it writable by that key only; readers further check that a
 record's `peer_id` field is the hash of that key, and drop (and count) anything else. The run
 config is read only from the subkey of the coordinator's key given in the join command.
 """

@@ -2,7 +2,7 @@
 
 A token is ``lct1.<payload>.<signature>``, both parts base64url without padding: the payload is
 the canonical JSON ``{"exp": unix seconds, "peer": peer id, "run": run name}`` and the signature
-is RSA-PSS (SHA-256) by the coordinator's key (the key whose public half is the join command's
+is Ed25519 by the coordinator's key (the key whose public half is the join command's
 ``--run-key``) over ``TOKEN_PREFIX | payload``. It is bound to the peer's id, the hash of the
 peer's own key, so a token copied from the DHT admits nobody but its owner; every peer checks it
 with the coordinator key it already holds, without asking anyone.
@@ -15,16 +15,14 @@ import binascii
 import json
 import math
 
-from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import padding, rsa
+from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from lowcomm.transport.identity import Identity
+from lowcomm.transport.identity import Identity, public_key_from_text
+from lowcomm.transport.keys import verify
 
 TOKEN_PREFIX = b"lowcomm-join-token/1\x00"
 VERSION = "lct1"
-MAX_TOKEN_CHARS = 2048  # a 128-character run name and an RSA-4096 signature fit
-_PSS = padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=padding.PSS.MAX_LENGTH)
+MAX_TOKEN_CHARS = 2048  # a 128-character run name and a signature fit with room to spare
 
 
 class TokenRefused(ValueError):
@@ -46,22 +44,19 @@ def _unb64(text: str) -> bytes:
 def issue_token(coordinator: Identity, run: str, peer_id: str, expires: int) -> str:
     """The token admitting ``peer_id`` to ``run`` until unix time ``expires``, signed by ``coordinator``."""
     payload = _canonical(run, peer_id, int(expires))
-    signature = coordinator.private_key._private_key.sign(TOKEN_PREFIX + payload, _PSS, hashes.SHA256())
+    signature = coordinator.sign(TOKEN_PREFIX + payload)
     return f"{VERSION}.{_b64(payload)}.{_b64(signature)}"
 
 
-def coordinator_public_key(public_key_text: str) -> rsa.RSAPublicKey:
-    """The coordinator's key from the join command's ``--run-key`` text (ValueError if it is not an RSA key)."""
+def coordinator_public_key(public_key_text: str) -> ed25519.Ed25519PublicKey:
+    """The coordinator's key from the join command's ``--run-key`` text (ValueError if it is not one)."""
     try:
-        key = serialization.load_ssh_public_key(b"ssh-rsa " + public_key_text.strip().encode())
-    except (ValueError, TypeError, UnsupportedAlgorithm):
-        raise ValueError("the run key is not an ssh-rsa public key") from None
-    if not isinstance(key, rsa.RSAPublicKey):
-        raise ValueError("the run key is not an RSA key")
-    return key
+        return public_key_from_text(public_key_text)
+    except ValueError:
+        raise ValueError("the run key is not an ssh-ed25519 public key") from None
 
 
-def check_token(token: object, coordinator: rsa.RSAPublicKey, run: str, peer_id: str, now: float) -> int:
+def check_token(token: object, coordinator: ed25519.Ed25519PublicKey, run: str, peer_id: str, now: float) -> int:
     """The expiry of a token that admits ``peer_id`` to ``run`` at ``now``; TokenRefused otherwise.
 
     ``token`` may come from the network: its type and size are checked before anything is decoded."""
@@ -82,10 +77,8 @@ def check_token(token: object, coordinator: rsa.RSAPublicKey, run: str, peer_id:
     if not (isinstance(expires, int) and not isinstance(expires, bool) and isinstance(owner, str)
             and isinstance(token_run, str)):
         raise TokenRefused("a malformed join token")
-    try:
-        coordinator.verify(signature, TOKEN_PREFIX + _canonical(token_run, owner, expires), _PSS, hashes.SHA256())
-    except (InvalidSignature, ValueError):
-        raise TokenRefused("a join token not signed by this run's coordinator") from None
+    if not verify(coordinator, signature, TOKEN_PREFIX + _canonical(token_run, owner, expires)):
+        raise TokenRefused("a join token not signed by this run's coordinator")
     if token_run != run:
         raise TokenRefused(f"a join token for run {token_run[:128]!r}, not {run!r}")
     if owner != peer_id:

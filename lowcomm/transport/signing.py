@@ -1,16 +1,16 @@
 """Data-plane calls bound to their sender's key: every contribution is signed, every receiver verifies.
 
-A peer id is a hash of its RSA public key (transport.identity), the key that signs its DHT records.
-A signed call carries that public key (OpenSSH form, ~380 bytes), the payload's sha256 and an
-RSA-PSS signature (256 bytes) over ``SIGNED_PREFIX | kind | 0 | canonical JSON of the call's header
-fields`` (the digest among them). The receiver checks the key against the claimed sender id and the
-signature on the first message, before it admits or waits for anything, and the digest once the
-payload is in, before it decodes it: the sender field proves nothing by itself, and the header binds
-the payload to one run, group, round, shard and weight, so a relabelled or replayed part fails.
+A peer id is a hash of its Ed25519 public key (transport.identity), the key that signs its DHT
+records. A signed call carries that public key (OpenSSH form, 80 bytes), the payload's sha256 and
+an Ed25519 signature (64 bytes) over ``SIGNED_PREFIX | kind | 0 | canonical JSON of the call's
+header fields`` (the digest among them). The receiver checks the key against the claimed sender id
+and the signature on the first message, before it admits or waits for anything, and the digest
+once the payload is in, before it decodes it: the sender field proves nothing by itself, and the
+header binds the payload to one run, group, round, shard and weight, so a relabelled or replayed
+part fails.
 
-The hivemind RSA key is used rather than a second (Ed25519) key: the key is already the peer's
-identity, so a call is self-certifying (no DHT lookup to find a sender's key, no record to trust
-for the binding) and a volunteer keeps one secret. Signing costs ~1 ms per part, verifying ~0.1 ms.
+The key is the peer's identity, so a call is self-certifying (no DHT lookup to find a sender's key,
+no record to trust for the binding) and a volunteer keeps one secret.
 """
 
 from __future__ import annotations
@@ -20,17 +20,12 @@ import json
 import threading
 from collections import OrderedDict
 
-from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import padding, rsa
+from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from lowcomm.transport.identity import Identity, peer_id_of
+from lowcomm.transport.keys import MAX_PUBLIC_KEY_BYTES, SIGNATURE_BYTES, public_key_from_openssh, verify
 
 SIGNED_PREFIX = b"lowcomm-call/1\x00"
-MAX_KEY_BYTES = 1024  # an OpenSSH RSA-4096 public key is ~720 bytes
-MAX_SIGNATURE_BYTES = 512
-KEY_BITS = (2048, 3072, 4096)  # hostile keys of other sizes are refused before any RSA work
-_PSS = padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=padding.PSS.MAX_LENGTH)
 _CACHE = 4096  # parsed sender keys kept
 
 
@@ -60,8 +55,7 @@ class Signer:
     def __init__(self, identity: Identity):
         self.identity = identity
         self.peer_id = identity.peer_id
-        self.key = identity.private_key.get_public_key().to_bytes()  # b"ssh-rsa AAAA..."
-        self._private = identity.private_key._private_key  # cryptography's key, for raw (not base64) signatures
+        self.key = identity.public_key  # b"ssh-ed25519 AAAA..."
 
     @classmethod
     def generate(cls) -> "Signer":
@@ -69,19 +63,19 @@ class Signer:
 
     def sign(self, kind: str, fields: dict) -> tuple[bytes, bytes]:
         """``(public key, signature)`` for a call of ``kind`` with header ``fields``."""
-        return self.key, self._private.sign(signed_bytes(kind, fields), _PSS, hashes.SHA256())
+        return self.key, self.identity.sign(signed_bytes(kind, fields))
 
 
 class Verifier:
     """Checks signed calls; keeps the parsed keys of recent senders (bounded)."""
 
     def __init__(self):
-        self._keys: OrderedDict[bytes, rsa.RSAPublicKey] = OrderedDict()
+        self._keys: OrderedDict[bytes, ed25519.Ed25519PublicKey] = OrderedDict()
         self._lock = threading.Lock()
 
     def check_sender(self, sender: str, key: bytes) -> None:
         """Raises Unauthenticated unless ``key`` is ``sender``'s: its hash must be the claimed id."""
-        if not key or len(key) > MAX_KEY_BYTES:
+        if not key or len(key) > MAX_PUBLIC_KEY_BYTES:
             raise Unauthenticated(f"call from {sender[:40]!r} carries no usable public key")
         if peer_id_of(b"[owner:" + key + b"]") != sender:
             raise Unauthenticated(f"the call's key is not the key of {sender[:40]!r}")
@@ -89,27 +83,22 @@ class Verifier:
     def verify(self, kind: str, fields: dict, sender: str, key: bytes, signature: bytes) -> None:
         """Raises Unauthenticated unless ``signature`` by ``sender``'s ``key`` covers ``fields``."""
         self.check_sender(sender, key)
-        if not signature or len(signature) > MAX_SIGNATURE_BYTES:
+        if len(signature) != SIGNATURE_BYTES:
             raise Unauthenticated(f"call from {sender[:40]!r} is not signed")
-        public = self._parse(key, sender)
-        try:
-            public.verify(signature, signed_bytes(kind, fields), _PSS, hashes.SHA256())
-        except (InvalidSignature, ValueError):
+        if not verify(self._parse(key, sender), signature, signed_bytes(kind, fields)):
             raise Unauthenticated(f"bad signature on a {kind} call from {sender[:40]!r} "
-                                  "(forged, or relabelled to another run, round, shard or weight)") from None
+                                  "(forged, or relabelled to another run, round, shard or weight)")
 
-    def _parse(self, key: bytes, sender: str) -> rsa.RSAPublicKey:
+    def _parse(self, key: bytes, sender: str) -> ed25519.Ed25519PublicKey:
         with self._lock:
             public = self._keys.get(key)
             if public is not None:
                 self._keys.move_to_end(key)
                 return public
         try:
-            public = serialization.load_ssh_public_key(key)
-        except (ValueError, TypeError, UnsupportedAlgorithm):
-            raise Unauthenticated(f"call from {sender[:40]!r} carries a malformed public key") from None
-        if not isinstance(public, rsa.RSAPublicKey) or public.key_size not in KEY_BITS:
-            raise Unauthenticated(f"call from {sender[:40]!r}: only RSA keys of {KEY_BITS} bits are accepted")
+            public = public_key_from_openssh(key)
+        except ValueError:
+            raise Unauthenticated(f"call from {sender[:40]!r} carries no ssh-ed25519 public key") from None
         with self._lock:
             self._keys[key] = public
             while len(self._keys) > _CACHE:

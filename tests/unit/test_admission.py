@@ -92,7 +92,7 @@ def test_a_token_for_another_peer_or_run_expired_or_forged_is_refused(case, reas
     "lct1." + "A" * MAX_TOKEN_CHARS, "lct1.WyJhIl0.AA",  # a JSON list
     "lct1.eyJleHAiOnRydWUsInBlZXIiOiJhIiwicnVuIjoiYiJ9.AA",  # exp: true
 ])
-def test_garbage_tokens_are_refused_before_any_rsa_work(garbage):
+def test_garbage_tokens_are_refused_before_any_signature_check(garbage):
     with pytest.raises(TokenRefused):
         check(garbage)
 

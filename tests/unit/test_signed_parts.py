@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
 
 from lowcomm.collectives.combiners import DenseMean
 from lowcomm.proto import wire_pb2
@@ -102,7 +104,7 @@ def test_a_refused_member_costs_its_round_no_deadline(nodes):
         assert result.contributors == sorted([members[0].id, members[2].id])
 
 
-def test_signatures_bind_every_header_field_and_refuse_other_key_sizes():
+def test_signatures_bind_every_header_field_and_refuse_other_key_types():
     signer, verifier = Signer.generate(), Verifier()
     fields = dict(run_id="r", round=3, weight=2.5, digest=digest(b"x"))
     key, signature = signer.sign("reduce", fields)
@@ -113,6 +115,13 @@ def test_signatures_bind_every_header_field_and_refuse_other_key_sizes():
     with pytest.raises(Unauthenticated, match="bad signature"):
         verifier.verify("exchange", fields, signer.peer_id, key, signature)  # another kind of call
     assert signed_bytes("reduce", fields) != signed_bytes("reduce", dict(fields, run_id="r2"))
-    fake = b"ssh-rsa AAAAnotakey"
-    with pytest.raises(Unauthenticated, match="malformed public key"):
-        verifier.verify("reduce", fields, peer_id_of(b"[owner:" + fake + b"]"), fake, signature)
+    rsa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048).public_key().public_bytes(
+        serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    for fake in (b"ssh-ed25519 AAAAnotakey", rsa_key[:120]):  # malformed, and another key type (bounded)
+        with pytest.raises(Unauthenticated, match="no ssh-ed25519 public key"):
+            verifier.verify("reduce", fields, peer_id_of(b"[owner:" + fake + b"]"), fake, signature)
+    with pytest.raises(Unauthenticated, match="no usable public key"):  # too long to parse at all
+        verifier.verify("reduce", fields, peer_id_of(b"[owner:" + rsa_key + b"]"), rsa_key, signature)
+    for short in (signature[:63], signature + b"x"):
+        with pytest.raises(Unauthenticated, match="is not signed"):
+            verifier.verify("reduce", fields, signer.peer_id, key, short)
