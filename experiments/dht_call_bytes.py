@@ -8,7 +8,9 @@ lowcomm's are transport.control.DHT_TRAFFIC's) and mode: ``searched`` searches t
 every store (as hivemind's store does), ``direct`` stores straight to the nodes the last search of
 the key found (transport.dht_stores, lowcomm's); reads are hivemind's in both. --nodes DHT nodes (transport.control.ControlPlane, each with its own identity and p2pd) start in one
 network namespace created for the row (and deleted after it), every node stores its peer record and
-its announcement of a round and reads both keys once (as every peer of a run does), then one node makes --calls calls of each kind. The kernel's count of
+its announcement of a round and reads both keys once (as every peer of a run does), then one node makes --calls calls of each kind.
+``store new key`` stores under a key nobody stored before (as a round's manifest and anchor are: always
+a search, in both modes); ``get one record`` reads a key that holds one record (a manifest's). The kernel's count of
 the bytes sent on the namespace's loopback, less the idle rate measured first, divided by the calls,
 is a call's cost: every byte between the nodes, each counted once. Unlike experiments/dht_cost.py (one
 kind of call per node, each in a namespace of its own), every node here has read the keys first, as
@@ -31,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-KINDS = ["get peers", "get announce", "store peers", "store announce"]
+KINDS = ["get peers", "get announce", "store peers", "store announce", "store new key", "get one record"]
 IDLE_S = 10.0  # the idle rate's window, by default (--idle-s)
 
 
@@ -55,16 +57,20 @@ def measure(nodes: int, replicas: int, calls: int, cache: bool, mode: str, idle_
         for plane, identity in zip(planes, ids):
             plane.publish_peer(PeerRecord(identity.peer_id, "10.0.0.1:5000", state="training", round=3), 60)
             plane.announce("0-0", 3, {"endpoint": "10.0.0.1:5000"}, 60)
+        planes[0].announce("0-0", 2, {"endpoint": "10.0.0.1:5000"}, 60)  # a key of one record (a manifest's)
         for plane in planes:  # every node reads every key, as in a run (each keeps what it read, if it caches)
             plane.live_peers(), plane.announcers("0-0", 3)
         sent = _lo_sent()
         time.sleep(idle_s)  # a measurement window, not a wait for anything
         idle = (_lo_sent() - sent) / idle_s
         me, who = planes[1], ids[1]
+        fresh = iter(range(100, 100 + calls))
         actions = {"get peers": me.live_peers, "get announce": lambda: me.announcers("0-0", 3),
                    "store peers": lambda: me.publish_peer(PeerRecord(who.peer_id, "10.0.0.1:5000",
                                                                      state="training", round=4), 60),
-                   "store announce": lambda: me.announce("0-0", 4, {"endpoint": "10.0.0.1:5000"}, 60)}
+                   "store announce": lambda: me.announce("0-0", 4, {"endpoint": "10.0.0.1:5000"}, 60),
+                   "store new key": lambda: me.announce("0-0", next(fresh), {"endpoint": "10.0.0.1:5000"}, 60),
+                   "get one record": lambda: me.announcers("0-0", 2)}
         out = {"nodes": nodes, "replicas": replicas, "cache": cache, "mode": mode, "calls": calls,
                "idle_bytes_per_s": idle}
         for kind in KINDS:

@@ -35,15 +35,16 @@ from lowcomm.config import ConfigError, RunConfig
 from lowcomm.models.factory import build_model
 from lowcomm.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from lowcomm.runtime.checkpoint_budget import CheckpointBudget
-from lowcomm.runtime.round_anchor import FollowedRecords, RoundFollower
+from lowcomm.runtime.round_anchor import Anchor, FollowedRecords, RoundFollower, anchor_fields
 from lowcomm.runtime.runlog import COORDINATOR_CALLS_FILE
 from lowcomm.runtime.run_config import publish_run_config
 from lowcomm.runtime.state_transfer import Snapshot, StateError, StateHolder, download_state, state_phi_hash
 from lowcomm.transport.addresses import grpc_endpoint
 from lowcomm.transport.control import ControlPlane, PeerRecord
 from lowcomm.transport.identity import Identity, KeyFileError
-from lowcomm.transport.round_posts import RoundPosts
+from lowcomm.transport.round_posts import ANCHOR, RoundPosts, post_request
 from lowcomm.transport.service import PeerService
+from lowcomm.transport.signing import Signer
 from lowcomm.transport.wakeups import Wakes
 from lowcomm.transport.wire import Channels, Traffic, start_server
 
@@ -151,8 +152,13 @@ class Coordinator:
                                       on_event=lambda kind, **fields: logger.info("%s %s", kind, fields),
                                       wakes=Wakes(None, None, FOLLOW_S, posts=self.service.posts,
                                                   dht_poll_s=sync.record_ttl_s))  # a lost post: read late
-        return RoundFollower(self.control, agreement, GroupKey(run).group, settle_s=sync.announce_s,
-                             ttl=sync.record_ttl_s * 6, vote_every=algo.epoch_rounds(self.config), start=start)
+        group, signer = GroupKey(run).group, Signer(self.identity)
+
+        def serve(anchor: Anchor) -> None:  # for the peers that download a state to pull (round_anchor)
+            fields = {"peer_id": signer.peer_id, **anchor_fields(anchor)}
+            self.service.posts.keep_own(post_request(signer, run, ANCHOR, group, anchor.round, fields))
+        return RoundFollower(self.control, agreement, group, settle_s=sync.announce_s, ttl=sync.record_ttl_s * 6,
+                             vote_every=algo.epoch_rounds(self.config), start=start, serve=serve)
 
     def _join_maddrs(self) -> list[str]:
         """The DHT's multiaddrs for the join command; an error saying what to pass when p2pd reports none."""

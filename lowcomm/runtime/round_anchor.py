@@ -10,9 +10,12 @@ cannot move it.
   checkpointer take the hash from the **anchor**: the coordinator, whose key signed the run config,
   follows the manifests as every peer does (collectives.manifest: each counts only from a member
   of the previous one) and, once the members of the manifest covering round R − 1 voted (or
-  `settle_s` passed), signs {R, the agreed hash of those members' votes, those members} under
-  `<run>.anchor.<group>.<R>` (`RoundFollower`), and stores the newest again while a peer is joining
-  once half their life passed. The votes count as complete once every one of those members that is
+  `settle_s` passed), signs {R, the agreed hash of those members' votes, those members}
+  (`RoundFollower`) and keeps it as its own round post of kind `anchor`: a peer that downloads a
+  state pulls the anchor of its round from the coordinator's data plane (transport.post_pulls).
+  While a peer record is joining, the coordinator also stores each anchor under
+  `<run>.anchor.<group>.<R>` in the DHT, and the newest again once half their life passed, for a
+  joiner that cannot reach the coordinator's data plane (Decision 55). The votes count as complete once every one of those members that is
   still training voted, or one hash holds more than half of them.
 - With no coordinator in the run, a joiner falls back to the majority of every vote published for
   the round (`agreed_hash` over all of them): that fallback is not defended against sybils.
@@ -23,6 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from lowcomm.collectives.manifest import ManifestAgreement
@@ -99,14 +103,17 @@ class FollowedRecords:
         self.joiners = any(r.state == "joining" for r in records.values())
 
 
+def anchor_fields(anchor: Anchor) -> dict:
+    """What an anchor's record holds (in the DHT and as a post), its signer's ``peer_id`` aside."""
+    return {"round": anchor.round, "phi_hash": anchor.phi_hash, "members": list(anchor.members)}
+
+
 def publish_anchor(control: ControlPlane, group: str, anchor: Anchor, ttl: float) -> None:
-    control.publish_anchor(group, anchor.round, {"round": anchor.round, "phi_hash": anchor.phi_hash,
-                                                 "members": list(anchor.members)}, ttl)
+    control.publish_anchor(group, anchor.round, anchor_fields(anchor), ttl)
 
 
-def read_anchor(control: ControlPlane, coordinator: str, group: str, round_: int) -> Anchor | None:
-    """The anchor of ``round_`` signed by ``coordinator``'s key (any other signer's is ignored); None if none."""
-    value = control.anchors(group, round_).get(coordinator)
+def parse_anchor(value: dict | None, round_: int) -> Anchor | None:
+    """The anchor of ``round_`` an anchor record holds; None if there is none, or it is malformed."""
     if value is None:
         return None
     phi_hash, members = value.get("phi_hash"), value.get("members")
@@ -115,6 +122,11 @@ def read_anchor(control: ControlPlane, coordinator: str, group: str, round_: int
         logger.warning("ignored a malformed anchor for round %d", round_)
         return None
     return Anchor(round_, phi_hash, tuple(members))
+
+
+def read_anchor(control: ControlPlane, coordinator: str, group: str, round_: int) -> Anchor | None:
+    """The anchor of ``round_`` signed by ``coordinator``'s key (any other signer's is ignored); None if none."""
+    return parse_anchor(control.anchors(group, round_).get(coordinator), round_)
 
 
 class RoundFollower:
@@ -128,8 +140,8 @@ class RoundFollower:
     """
 
     def __init__(self, control: ControlPlane, agreement: ManifestAgreement, group: str, settle_s: float,
-                 ttl: float, vote_every: int = 1, start: int = 0):
-        self.control, self.agreement, self.group = control, agreement, group
+                 ttl: float, vote_every: int = 1, start: int = 0, serve: Callable[[Anchor], None] | None = None):
+        self.control, self.agreement, self.group, self.serve = control, agreement, group, serve
         self.settle_s, self.ttl, self.vote_every = settle_s, ttl, max(1, vote_every)
         self.next_manifest = start  # the next round whose manifest to read
         self.next_vote = start + 1  # the next round to settle
@@ -139,13 +151,18 @@ class RoundFollower:
 
     def tick(self, newest: int, training: set[str] = frozenset(), joiners: bool = False) -> list[Anchor]:
         """``training``: the ids of the live records in state training (the votes that may still come).
-        Each anchor is stored in the DHT once settled; ``joiners`` (a live record is joining: a peer may be
-        downloading the state): the newest RECENT_ANCHORS are stored again once half their life passed, so
-        that a round longer than an anchor's life still has one."""
+        Each anchor is handed to ``serve`` once settled (the coordinator keeps it for peers to pull) and,
+        without ``serve``, stored in the DHT. ``joiners`` (a live record is joining: a peer may be
+        downloading the state): each settled anchor is stored in the DHT too, and the newest
+        RECENT_ANCHORS again once half their life passed, so that a round longer than an anchor's life
+        still has one, for a joiner the coordinator's data plane does not answer."""
         self._walk(newest)
         settled = self._settle(newest, set(training))
+        for anchor in settled if self.serve is not None else ():
+            self.serve(anchor)
+        stored = [a.round for a in settled] if joiners or self.serve is None else []
         recent = sorted(self.anchors)[-RECENT_ANCHORS:] if joiners else []
-        for round_ in [a.round for a in settled] + recent:
+        for round_ in stored + recent:
             if time.monotonic() - self._stored.get(round_, float("-inf")) >= self.ttl / 2:  # none, or expiring
                 publish_anchor(self.control, self.group, self.anchors[round_], self.ttl)
                 self._stored[round_] = time.monotonic()

@@ -7,7 +7,8 @@ hash disagrees with the one agreed by the last round's contributors (`drift_sour
 anyone else are ignored) resyncs from a contributor that holds it.
 
 Downloaded state is used only if its φ hashes to the round's agreed hash (runtime.round_anchor:
-the coordinator's signed anchor, or without a coordinator the majority of the round's votes);
+the coordinator's signed anchor, pulled from the coordinator or read from the DHT, or without a
+coordinator the majority of the round's votes);
 a state that does not is refused (`state_error` and `reject` events) and another source tried.
 A joiner also learns from the anchor who the previous round's members were, the only peers whose
 next manifest it follows (collectives.manifest).
@@ -24,8 +25,9 @@ from lowcomm.collectives.manifest import ManifestAgreement
 from lowcomm.runtime.context import PeerContext, round_timeout
 from lowcomm.runtime.membership import Membership
 from lowcomm.runtime.progress import Progress
-from lowcomm.runtime.round_anchor import Anchor, agreed_hash, read_anchor
+from lowcomm.runtime.round_anchor import Anchor, agreed_hash, parse_anchor, read_anchor
 from lowcomm.runtime.state_transfer import StateError, decode_state, download_state, encode_state, state_phi_hash
+from lowcomm.transport.round_posts import ANCHOR
 
 MAX_STATE_BYTES = 8 << 30
 FETCH_DEADLINE_S = 600.0  # a joiner's wait for a source (the run may not have started)
@@ -87,6 +89,7 @@ class StateSync:
         ``admits(peer_id)``: whether the run's mode lets that peer be a source or a voter (default: everyone)."""
         self.ctx, self.membership, self.replica, self.progress = ctx, membership, replica, progress
         self.agreement = agreement
+        self.anchored_by: str | None = None  # where the last anchor came from: "pulled" (the coordinator's) or "dht"
         self.admits = admits or (lambda peer_id: True)
         self._outsiders: set[str] = set()  # sources refused as not admitted (one `reject` event each)
         self.config = ctx.config
@@ -212,7 +215,8 @@ class StateSync:
             ctx.log.event("round_dropped", round=replica.round - 1, reason="no manifest (a resumed checkpoint?)")
         replica.collective.end_epoch(replica.key)
         self.publish_snapshot()
-        ctx.log.event("state_received", source=source.peer_id, round=replica.round, phi_hash=replica.phi_hash())
+        ctx.log.event("state_received", source=source.peer_id, round=replica.round, phi_hash=replica.phi_hash(),
+                      anchor=self.anchored_by if anchor is not None else None)
         return True
 
     def _check(self, tensors, round_: int, source: str) -> Anchor | None:
@@ -234,14 +238,26 @@ class StateSync:
         ctx, group = self.ctx, self.replica.key.group
         coordinator = ctx.service.checkpointer
         deadline = time.monotonic() + self.config.sync.announce_s + ANCHOR_SLACK_S
-        while coordinator is not None and coordinator in ctx.control.live_peers():
-            anchor = read_anchor(ctx.control, coordinator, group, round_)
+        while coordinator is not None and (record := ctx.control.live_peers().get(coordinator)) is not None:
+            pulled = self._pulled_anchor(coordinator, record.endpoint, round_)
+            anchor = pulled or read_anchor(ctx.control, coordinator, group, round_)
             if anchor is not None:
+                self.anchored_by = "pulled" if pulled else "dht"
                 return anchor, anchor.phi_hash
             if time.monotonic() >= deadline or ctx.stop.wait(0.2):
                 return None, None
         ctx.log.event("unanchored", round=round_, reason="no coordinator: the majority of every vote")
         return None, agreed_hash({p: h for p, h in ctx.control.phi_hashes(group, round_).items() if self.admits(p)})
+
+    def _pulled_anchor(self, coordinator: str, endpoint: str, round_: int) -> Anchor | None:
+        """The anchor of ``round_`` pulled from the coordinator's data plane (its own round post, signed by
+        its key: runtime.round_anchor); None where it holds none yet or does not answer (the DHT's then)."""
+        if self.agreement is None or not endpoint:
+            return None
+        wakes, group = self.agreement.wakes, self.replica.key.group
+        if coordinator not in wakes.posted(ANCHOR, group, round_):
+            wakes.pull(ANCHOR, group, round_, {coordinator: endpoint})
+        return parse_anchor(wakes.posted(ANCHOR, group, round_).get(coordinator), round_)
 
     def resync(self, reason: str, sources: list[str] | None = None) -> None:
         """Drops this peer's state for a newer one; `sources`: the peers to take it from where they can."""

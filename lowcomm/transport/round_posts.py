@@ -10,6 +10,8 @@ out of a round.
 
 A peer keeps its own signed posts of the newest rounds, so a reader that no post reached (it joined
 after the writer posted) can pull one from the writer (transport.post_pulls) and check it as a post.
+The coordinator's anchors are only kept that way: a peer that downloads state pulls the anchor of
+its round from the coordinator.
 
 A replayed or reordered post changes nothing: an announcement only moves forward (announced ahead,
 then reached, then withdrawn) whatever order its posts arrive in, and a writer's manifest or vote of a
@@ -31,7 +33,8 @@ from lowcomm.proto import wire_pb2
 from lowcomm.transport.signing import Signer, Unauthenticated, Verifier, sign_message, verify_message
 
 ANNOUNCE, MANIFEST, VOTE = "announce", "manifest", "phi"  # VOTE: a peer's φ hash of a round it applied
-KINDS = (ANNOUNCE, MANIFEST, VOTE)
+ANCHOR = "anchor"  # the coordinator's anchor of a round (runtime.round_anchor): kept to be pulled, never pushed
+KINDS = (ANNOUNCE, MANIFEST, VOTE, ANCHOR)
 SIGNED_KIND = "round-post"  # what the signature's kind field says (transport.signing.signed_bytes)
 MAX_VALUE_BYTES = 256 * 1024  # a manifest of ~2,000 members
 MAX_POSTS_PER_ROUND = 4096

@@ -126,6 +126,7 @@ def test_joiner_receives_global_state_and_contributes(scenario):
     assert received, "the joiner never received state"
     join_round = received[0]["round"]
     assert join_round >= 3
+    assert received[0]["anchor"] == "pulled"  # checked against the anchor pulled from the coordinator (Decision 55)
     by_round = rounds_of(records)
     # its φ right after the download equals the φ every other peer published for that round
     others = {r["phi_hash"] for r in by_round[join_round - 1] if r["peer"] != joiner}
