@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from lowcomm.collectives.manifest import ManifestAgreement
+from lowcomm.collectives.round_reads import POSTED_RECORDS_POLL_S
 from lowcomm.transport.control import ControlPlane
 
 logger = logging.getLogger(__name__)
@@ -68,11 +69,11 @@ class FollowedRecords:
     (whose votes a round waits for), the highest round one holds, and whether a record is joining (the
     newest anchors are then kept in the DHT).
 
-    Read once per a record's life while every voter of the next round to settle is training, since the
-    rounds come by post. A voter that the last read did not show training (a run's first rounds, a
-    joiner's first, a member whose record expired) has them read again ``heartbeat_s`` after that read
-    once it is named, and then every half life while one is left or a record is joining, so that its
-    vote is waited for once it trains."""
+    Read once per POSTED_RECORDS_POLL_S (or a record's life, if longer) while every voter of the next
+    round to settle is training, since the rounds and votes come by post (Decision 56). A voter that the
+    last read did not show training (a run's first rounds, a joiner's first, a member whose record
+    expired) has them read again ``heartbeat_s`` after that read once it is named, and then every half
+    life while one is left or a record is joining, so that its vote is waited for once it trains."""
 
     def __init__(self, control: ControlPlane, heartbeat_s: float, life_s: float, admits=lambda peer: True):
         self.control, self.admits = control, admits
@@ -91,7 +92,7 @@ class FollowedRecords:
         elif missing or self.joiners:
             due = max(self.heartbeat_s, self.life_s / 2)
         else:
-            due = self.life_s
+            due = max(self.life_s, POSTED_RECORDS_POLL_S)
         if time.monotonic() - self._read_at < due:
             return
         self._read_at = time.monotonic()

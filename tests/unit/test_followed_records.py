@@ -1,10 +1,12 @@
 """When the coordinator reads the live peer records it follows rounds by (runtime.round_anchor.FollowedRecords,
-Decision 51): once per a record's life while every voter trains, sooner for a voter it has not seen training."""
+Decisions 51, 56): once per POSTED_RECORDS_POLL_S while every voter trains, sooner for a voter it has not seen
+training."""
 
 from __future__ import annotations
 
 import pytest
 
+from lowcomm.collectives.round_reads import POSTED_RECORDS_POLL_S
 from lowcomm.runtime import round_anchor
 from lowcomm.runtime.round_anchor import FollowedRecords
 from lowcomm.transport.control import PeerRecord
@@ -46,11 +48,14 @@ def reads_at(view: FollowedRecords, control: Records, clock, times: list[float],
     return out
 
 
-def test_every_voter_training_reads_once_per_life(clock):
+def test_every_voter_training_reads_once_per_posted_records_poll(clock):
     control = Records()
     control.set(a="training", b="training")
     view = FollowedRecords(control, HEARTBEAT_S, LIFE_S)
-    assert reads_at(view, control, clock, [0, 1, 2, 5, 9.9, 10, 15, 20], voters={"a", "b"}) == [0, 10, 20]
+    poll = POSTED_RECORDS_POLL_S
+    assert poll > LIFE_S
+    times = [0, 1, 2, 5, 10, 15, poll - 0.1, poll, poll + 10, 2 * poll - 0.1, 2 * poll]
+    assert reads_at(view, control, clock, times, voters={"a", "b"}) == [0, poll, 2 * poll]
     assert view.training == {"a", "b"} and view.newest == 3 and not view.joiners
 
 
@@ -65,8 +70,9 @@ def test_a_voter_not_seen_training_is_read_for_after_a_heartbeat_then_every_half
     control.set(a="training", b="training")
     assert reads_at(view, control, clock, [11.9, 12, 13], voters={"a", "b"}) == [12]
     assert view.training == {"a", "b"}
-    # from then on once per life
-    assert reads_at(view, control, clock, [17, 21.9, 22], voters={"a", "b"}) == [22]
+    # from then on once per POSTED_RECORDS_POLL_S
+    assert reads_at(view, control, clock, [22, 12 + POSTED_RECORDS_POLL_S - 0.1, 12 + POSTED_RECORDS_POLL_S],
+                    voters={"a", "b"}) == [12 + POSTED_RECORDS_POLL_S]
 
 
 def test_a_joining_record_keeps_the_half_life_cadence(clock):
