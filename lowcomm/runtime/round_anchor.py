@@ -15,8 +15,9 @@ cannot move it.
   state pulls the anchor of its round from the coordinator's data plane (transport.post_pulls).
   While a peer record is joining, the coordinator also stores each anchor under
   `<run>.anchor.<group>.<R>` in the DHT, and the newest again once half their life passed, for a
-  joiner that cannot reach the coordinator's data plane (Decision 55). The votes count as complete once every one of those members that is
-  still training voted, or one hash holds more than half of them.
+  joiner that cannot reach the coordinator's data plane (Decision 55). The votes count as complete
+  once every one of those members that is still training voted, or one hash holds more than half of
+  them.
 - With no coordinator in the run, a joiner falls back to the majority of every vote published for
   the round (`agreed_hash` over all of them): that fallback is not defended against sybils.
 """

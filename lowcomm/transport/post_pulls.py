@@ -53,7 +53,7 @@ def pull_posts(channels: Channels, traffic: Traffic, posts: RoundPosts, kind: st
             if (reply.sender, reply.kind, reply.group, reply.round) != (writer, kind, group, round_):
                 raise PostRefused(f"asked {writer[:40]} for its {kind} post of round {round_}, got "
                                   f"{reply.sender[:40]}'s {reply.kind[:32]} post of round {reply.round}")
-            posts.accept(reply)
+            posts.accept(reply, pulled=True)
         except PostRefused as e:
             logger.warning("refused a pulled post: %s", e)
             return None

@@ -84,10 +84,13 @@ class RoundPosts:
         self._first: OrderedDict[str, float] = OrderedDict()  # writer -> when its first post here came, in order
         self.accepted = 0
 
-    def accept(self, request) -> tuple[str, int]:
-        """Checks a posted record and keeps it; its (group, round). PostRefused says why one is refused."""
+    def accept(self, request, pulled: bool = False) -> tuple[str, int]:
+        """Checks a posted record (``pulled``: one this peer asked its writer for) and keeps it; its (group,
+        round). PostRefused says why one is refused; an anchor is only taken pulled."""
         if request.kind not in KINDS:
             raise PostRefused(f"a round post of unknown kind {request.kind[:32]!r}")
+        if request.kind == ANCHOR and not pulled:
+            raise PostRefused("an anchor is pulled from the coordinator, never posted")
         if request.run != self.run:
             raise PostRefused(f"a round post for run {request.run[:64]!r}, not this run")
         if len(request.group) > MAX_GROUP_CHARS or not request.group.isprintable():

@@ -1,7 +1,8 @@
 """The coordinator's anchors pulled from its data plane (runtime.round_anchor, Decision 55): the follower
 keeps each settled anchor as its own signed post and stores it in the DHT only while a peer record is
 joining; a peer checking a downloaded state pulls the anchor of its round from the coordinator over a
-real gRPC server and reads no DHT anchor; a forged answer is refused and the DHT's anchor counts instead.
+real gRPC server and reads no DHT anchor; a forged answer is refused and the DHT's anchor counts instead;
+a pushed anchor is refused.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from lowcomm.runtime.progress import Progress
 from lowcomm.runtime.round_anchor import Anchor, RoundFollower, anchor_fields, publish_anchor
 from lowcomm.runtime.state_sync import StateSync
 from lowcomm.transport.control import PeerRecord
-from lowcomm.transport.round_posts import ANCHOR, RoundPosts, post_request
+from lowcomm.transport.round_posts import ANCHOR, PostRefused, RoundPosts, post_request
 from lowcomm.transport.signing import Signer
 from lowcomm.transport.wakeups import Wakes, WakeSender, Wakeups
 from lowcomm.transport.wire import Channels, Traffic
@@ -123,3 +124,14 @@ def test_a_forged_pulled_anchor_is_refused_and_the_dhts_counts(monkeypatch):
         publish_anchor(MemoryControl(coordinator.peer_id, store, live), "0-0", Anchor(3, "h3", ("a", "b")), 60)
         assert sync._agreed(3) == (Anchor(3, "h3", ("a", "b")), "h3") and sync.anchored_by == "dht"
         assert sync.agreement.wakes.posted(ANCHOR, "0-0", 3) == {}  # the forgery is kept nowhere
+
+
+def test_a_pushed_anchor_is_refused_even_from_the_coordinator():
+    coordinator = Signer.generate()
+    posts = RoundPosts("run")
+    post = post_request(coordinator, "run", ANCHOR, "0-0", 3,
+                        {"peer_id": coordinator.peer_id, **anchor_fields(Anchor(3, "h3", ("a",)))})
+    with pytest.raises(PostRefused, match="never posted"):
+        posts.accept(post)  # a Wake's post: it would take a slot of the rounds held from the others' posts
+    assert posts.records(ANCHOR, "0-0", 3) == {}
+    assert posts.accept(post, pulled=True) == ("0-0", 3)  # asked for (transport.post_pulls)
