@@ -126,7 +126,7 @@ def test_a_forged_pulled_anchor_is_refused_and_the_dhts_counts(monkeypatch):
         live = {coordinator.peer_id: PeerRecord(coordinator.peer_id, endpoint, state="coordinator")}
         sync = checker(coordinator.peer_id, store, live, stack)
         assert sync._agreed(3) == (None, None)  # nothing anywhere yet: waited for until announce_s passed
-        assert (CountedAnchors.record_reads, CountedAnchors.anchor_reads) == (1, 1)  # one DHT read of each; pulls every 0.2 s
+        assert (CountedAnchors.record_reads, CountedAnchors.anchor_reads) == (1, 1)  # the pulls every 0.2 s
         publish_anchor(MemoryControl(coordinator.peer_id, store, live), "0-0", Anchor(3, "h3", ("a", "b")), 60)
         assert sync._agreed(3) == (Anchor(3, "h3", ("a", "b")), "h3") and sync.anchored_by == "dht"
         assert sync.agreement.wakes.posted(ANCHOR, "0-0", 3) == {}  # the forgery is kept nowhere
