@@ -35,7 +35,6 @@ STATE_WAIT_S = 120.0  # how long a source may hold a download back until it reac
 # a source whose state's round had no anchor this many times is passed over: a record may claim any round
 UNANCHORED_TRIES = 2
 ANCHOR_SLACK_S = 5.0  # beyond sync.announce_s, how long a download waits for the coordinator's anchor
-ANCHOR_PULL_S = 0.2  # how often that wait asks the coordinator for it
 # a joiner that sees no state source yet looks again after this; each look reads every peer record from the
 # DHT (~15 KB on the wire at 4 peers), and at a run's start every peer looks for 2·heartbeat_s before it
 # starts from φ_0
@@ -235,26 +234,17 @@ class StateSync:
 
     def _agreed(self, round_: int) -> tuple[Anchor | None, str | None]:
         """Round ``round_``'s agreed φ hash: the coordinator's anchor while the coordinator is in the run
-        (waited for up to announce_s + ANCHOR_SLACK_S), else the majority of every vote (no sybil defence).
-        The anchor is pulled from the coordinator every ANCHOR_PULL_S; the live records (is the coordinator
-        still there?) and the DHT's anchor are read once per ``heartbeat_s`` of the wait: each read of the
-        records is answered with every peer's."""
+        (waited for up to announce_s + ANCHOR_SLACK_S), else the majority of every vote (no sybil defence)."""
         ctx, group = self.ctx, self.replica.key.group
         coordinator = ctx.service.checkpointer
         deadline = time.monotonic() + self.config.sync.announce_s + ANCHOR_SLACK_S
-        read_at, record = float("-inf"), None
-        while coordinator is not None:
-            dht_due = time.monotonic() - read_at >= self.config.sync.heartbeat_s
-            if dht_due:
-                read_at, record = time.monotonic(), ctx.control.live_peers().get(coordinator)
-            if record is None:
-                break
+        while coordinator is not None and (record := ctx.control.live_peers().get(coordinator)) is not None:
             pulled = self._pulled_anchor(coordinator, record.endpoint, round_)
-            anchor = pulled or (read_anchor(ctx.control, coordinator, group, round_) if dht_due else None)
+            anchor = pulled or read_anchor(ctx.control, coordinator, group, round_)
             if anchor is not None:
                 self.anchored_by = "pulled" if pulled else "dht"
                 return anchor, anchor.phi_hash
-            if time.monotonic() >= deadline or ctx.stop.wait(ANCHOR_PULL_S):
+            if time.monotonic() >= deadline or ctx.stop.wait(0.2):
                 return None, None
         ctx.log.event("unanchored", round=round_, reason="no coordinator: the majority of every vote")
         return None, agreed_hash({p: h for p, h in ctx.control.phi_hashes(group, round_).items() if self.admits(p)})
