@@ -1,7 +1,7 @@
 """What one DHT call of lowcomm's control plane puts on the wire, by kind and by replica count.
 
     sudo python experiments/dht_call_bytes.py [--nodes 5] [--replicas 5 3] [--cache on off]
-        [--mode searched direct] [--calls 20] [--out experiments/out/dht_call_bytes]
+        [--mode searched direct] [--transport quic] [--spacing-s 0] [--calls 20] [--out experiments/out/dht_call_bytes]
 
 A row is one replica count (hivemind's `num_replicas`), caching (hivemind's `cache_locally`;
 lowcomm's are transport.control.DHT_TRAFFIC's) and mode: ``searched`` searches the key's nodes at
@@ -14,7 +14,11 @@ a search, in both modes); ``get one record`` reads a key that holds one record (
 the bytes sent on the namespace's loopback, less the idle rate measured first, divided by the calls,
 is a call's cost: every byte between the nodes, each counted once. Unlike experiments/dht_cost.py (one
 kind of call per node, each in a namespace of its own), every node here has read the keys first, as
-in a run, which is what decides how many nodes answer a search with them when they keep copies. A row whose JSON exists under
+in a run, which is what decides how many nodes answer a search with them when they keep copies.
+``--transport quic`` (the default) starts the nodes as a run does, on TCP and QUIC (libp2p dials
+QUIC); ``tcp`` leaves QUIC's multiaddrs out (transport.addresses, Decision 57). ``--spacing-s S``
+waits S seconds after each call, as a run spaces its calls: back to back, the RPCs' frames share TCP
+segments and ACKs that spaced calls each send on their own. A row whose JSON exists under
 --out is skipped (resumable per row); OUT/table.md is rewritten after every row.
 """
 
@@ -41,11 +45,16 @@ def _lo_sent() -> int:
     return int(Path("/sys/class/net/lo/statistics/tx_bytes").read_text())
 
 
-def measure(nodes: int, replicas: int, calls: int, cache: bool, mode: str, idle_s: float = IDLE_S) -> dict:
+def measure(nodes: int, replicas: int, calls: int, cache: bool, mode: str, idle_s: float = IDLE_S,
+            transport: str = "quic", spacing_s: float = 0.0) -> dict:
     """Runs inside the row's namespace: bytes per call of each kind."""
     from lowcomm.transport import control, dht_stores
     from lowcomm.transport.control import ControlPlane, PeerRecord
     from lowcomm.transport.identity import Identity
+
+    if transport == "tcp":  # the DHT's multiaddrs without QUIC's
+        both = control.dht_maddrs
+        control.dht_maddrs = lambda *a: tuple(m and [x for x in m if "/tcp/" in x] for m in both(*a))
 
     control.DHT_TRAFFIC.update(num_replicas=replicas, cache_locally=cache)
     if mode == "searched":  # the DHT's processes are forked from this one: they search at every store
@@ -72,11 +81,12 @@ def measure(nodes: int, replicas: int, calls: int, cache: bool, mode: str, idle_
                    "store new key": lambda: me.announce("0-0", next(fresh), {"endpoint": "10.0.0.1:5000"}, 60),
                    "get one record": lambda: me.announcers("0-0", 2)}
         out = {"nodes": nodes, "replicas": replicas, "cache": cache, "mode": mode, "calls": calls,
-               "idle_bytes_per_s": idle}
+               "transport": transport, "spacing_s": spacing_s, "idle_bytes_per_s": idle}
         for kind in KINDS:
             sent, started = _lo_sent(), time.monotonic()
             for _ in range(calls):
                 actions[kind]()
+                time.sleep(spacing_s)  # the shape of a run's traffic, not a wait for anything
             out[kind] = (_lo_sent() - sent - idle * (time.monotonic() - started)) / calls
         return out
     finally:
@@ -84,14 +94,16 @@ def measure(nodes: int, replicas: int, calls: int, cache: bool, mode: str, idle_
             plane.shutdown()
 
 
-def run_row(nodes: int, replicas: int, cache: bool, mode: str, calls: int, idle_s: float = IDLE_S) -> dict:
+def run_row(nodes: int, replicas: int, cache: bool, mode: str, calls: int, idle_s: float = IDLE_S,
+            transport: str = "quic", spacing_s: float = 0.0) -> dict:
     ns = f"lcdht-{uuid.uuid4().hex[:8]}"
     subprocess.run(["ip", "netns", "add", ns], check=True)
     try:
         subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"], check=True)
         done = subprocess.run(["ip", "netns", "exec", ns, sys.executable, __file__, "--inside", "--nodes",
                                str(nodes), "--replicas", str(replicas), "--cache", "on" if cache else "off",
-                               "--mode", mode, "--calls", str(calls), "--idle-s", str(idle_s)],
+                               "--mode", mode, "--calls", str(calls), "--idle-s", str(idle_s),
+                               "--transport", transport, "--spacing-s", str(spacing_s)],
                               capture_output=True, text=True, timeout=600, start_new_session=True)
         if done.returncode != 0:
             raise SystemExit(f"row replicas={replicas} failed: {done.stderr.strip().splitlines()[-1:]}")
@@ -103,10 +115,12 @@ def run_row(nodes: int, replicas: int, cache: bool, mode: str, calls: int, idle_
 
 
 def write_table(out: Path, rows: list[dict]) -> None:
-    lines = ["| DHT nodes | replicas | cache_locally | mode | " + " | ".join(f"{k} (KB)" for k in KINDS)
-             + " | idle (B/s) |", "| --- | --- | --- | --- | " + " | ".join("---" for _ in KINDS) + " | --- |"]
+    lines = ["| DHT nodes | replicas | cache_locally | mode | transport | spacing s | "
+             + " | ".join(f"{k} (KB)" for k in KINDS) + " | idle (B/s) |",
+             "| --- | --- | --- | --- | --- | --- | " + " | ".join("---" for _ in KINDS) + " | --- |"]
     for r in rows:
         lines.append(f"| {r['nodes']} | {r['replicas']} | {'on' if r['cache'] else 'off'} | {r['mode']} | "
+                     f"{r.get('transport', 'tcp')} | {r.get('spacing_s', 0.0):g} | "
                      + " | ".join(f"{max(r[k], 0.0) / 1e3:.1f}" for k in KINDS)  # less the idle rate: ~0 can dip below
                      + f" | {r['idle_bytes_per_s']:.0f} |")
     (out / "table.md").write_text("\n".join(lines) + "\n")
@@ -121,24 +135,31 @@ def main() -> None:
     parser.add_argument("--mode", choices=["searched", "direct"], nargs="+", default=["searched", "direct"],
                         help="searched: every store searches the key's nodes (hivemind's); "
                              "direct: stores straight to the nodes the last search found (lowcomm's)")
+    parser.add_argument("--transport", choices=["quic", "tcp"], nargs="+", default=["quic"],
+                        help="quic: the nodes listen on TCP and QUIC, as in a run (libp2p dials QUIC); tcp: TCP only")
+    parser.add_argument("--spacing-s", type=float, default=0.0, help="a wait after each call, as a run spaces them")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--idle-s", type=float, default=IDLE_S, help="how long the idle rate is measured first")
     parser.add_argument("--out", type=Path, default=REPO / "experiments" / "out" / "dht_call_bytes")
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.inside:
-        print(json.dumps(measure(args.nodes, args.replicas[0], args.calls, args.cache[0] == "on", args.mode[0], args.idle_s)))
+        print(json.dumps(measure(args.nodes, args.replicas[0], args.calls, args.cache[0] == "on", args.mode[0], args.idle_s,
+                                 args.transport[0], args.spacing_s)))
         return
     if os.geteuid() != 0:
         raise SystemExit("this creates a network namespace: run it as root (sudo python experiments/dht_call_bytes.py)")
     args.out.mkdir(parents=True, exist_ok=True)
-    rows, cells = [], [(r, c == "on", s) for r in args.replicas for c in args.cache for s in args.mode]
-    for i, (replicas, cache, mode) in enumerate(cells):
-        path = args.out / f"n{args.nodes}-r{replicas}-{'cache' if cache else 'nocache'}-{mode}-c{args.calls}.json"
+    rows, cells = [], [(r, c == "on", s, t) for r in args.replicas for c in args.cache for s in args.mode
+                       for t in args.transport]
+    for i, (replicas, cache, mode, transport) in enumerate(cells):
+        path = args.out / (f"n{args.nodes}-r{replicas}-{'cache' if cache else 'nocache'}-{mode}-c{args.calls}"
+                           f"-{transport}-s{args.spacing_s:g}.json")
         if not path.exists():
             print(f"[{i + 1}/{len(cells)}] {args.nodes} nodes, {replicas} replicas, cache_locally "
-                  f"{'on' if cache else 'off'}, {mode}", flush=True)
-            path.write_text(json.dumps(run_row(args.nodes, replicas, cache, mode, args.calls, args.idle_s)))
+                  f"{'on' if cache else 'off'}, {mode}, {transport}", flush=True)
+            path.write_text(json.dumps(run_row(args.nodes, replicas, cache, mode, args.calls, args.idle_s,
+                                               transport, args.spacing_s)))
         rows.append(json.loads(path.read_text()))
         write_table(args.out, rows)
     print((args.out / "table.md").read_text())

@@ -11,7 +11,8 @@ sent from the nodes' control addresses (the DHT's, transport.netns) add up to th
 `control_bytes` (checked: both columns are in the table). Per row: the DHT's frames and bytes, the
 mean frame, and how the bytes split between TCP segments by payload size (none: a bare ACK; 1-30 B:
 yamux's window updates and stream opens and closes inside TLS records; 31-60 B: multistream-select's
-protocol lines, by their size; more: the calls' requests and answers) and UDP datagrams (QUIC).
+protocol lines, by their size; more: the calls' requests and answers), UDP datagrams (QUIC) and
+other frames (ICMP: a closed UDP port's answer as the nodes stop).
 A row whose JSON exists under --out is skipped (resumable per row); OUT/table.md is rewritten after
 every row; the captures and runs go to OUT/runs/ (not in git).
 """
@@ -32,8 +33,9 @@ from simulate_launch import save_table
 
 REPO = Path(__file__).resolve().parents[1]
 FRAME = re.compile(r"length (\d+): (\d+\.\d+\.\d+\.\d+)\.\d+ > \d+\.\d+\.\d+\.\d+\.\d+: (\w+)(.*)$")
+PORTLESS = re.compile(r"length (\d+): (\d+\.\d+\.\d+\.\d+) > \d+\.\d+\.\d+\.\d+: ")  # ICMP and the like
 TCP_PAYLOAD = re.compile(r", length (\d+)")
-CLASSES = ["tcp ack", "tcp 1-30 B", "tcp 31-60 B", "tcp more", "udp"]
+CLASSES = ["tcp ack", "tcp 1-30 B", "tcp 31-60 B", "tcp more", "udp", "other"]
 
 
 def bridges() -> set[str]:
@@ -75,7 +77,13 @@ def classify(pcap: Path, control_addresses: set[str]) -> dict:
     frames, sent = Counter(), Counter()
     for line in text.splitlines():
         match = FRAME.search(line)
-        if match is None or match.group(2) not in control_addresses:
+        if match is None:  # no ports: ICMP (a closed UDP port's "unreachable" as the nodes stop), ARP
+            other = PORTLESS.search(line)
+            if other is not None and other.group(2) in control_addresses:
+                frames["other"] += 1
+                sent["other"] += int(other.group(1))
+            continue
+        if match.group(2) not in control_addresses:
             continue
         length, proto, rest = int(match.group(1)), match.group(3), match.group(4)
         if proto != "Flags":  # "UDP", or tcpdump's name for what it recognised in the datagram (quic)
@@ -144,10 +152,22 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=1200.0)
     ap.add_argument("--worktrees", type=Path, default=Path("/tmp/lowcomm-dht-packets"))
     ap.add_argument("--out", type=Path, default=REPO / "experiments" / "out" / "dht_packets")
+    ap.add_argument("--reclassify", action="store_true", help="classify the finished rows' captures again, run nothing")
     args = ap.parse_args()
     revisions = dict(item.split("=", 1) for item in args.revisions)
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.reclassify:
+        for path in args.out.glob("*.json"):
+            row = json.loads(path.read_text())
+            run_dir = args.out / "runs" / row["row"]
+            if row.get("finished") and (run_dir / "control.pcap").exists():
+                report = json.loads((run_dir / "report.json").read_text())
+                row.update(classify(run_dir / "control.pcap",
+                                    {n["control_address"] for n in report["netns_nodes"].values()}))
+                path.write_text(json.dumps(row, indent=1))
+        print(write_table(args.out, list(revisions), args))
+        return
     for i, (name, rev) in enumerate(revisions.items()):
         path = args.out / f"{args.algo}-{name}.json"
         if path.exists() and json.loads(path.read_text()).get("finished"):
