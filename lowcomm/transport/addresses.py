@@ -14,7 +14,7 @@ gRPC endpoint and the DHT's multiaddrs carry an address of this machine instead:
 The DHT (p2pd) listens on and announces two multiaddrs of one port, /ip4/ADDRESS/tcp/PORT and
 /ip4/ADDRESS/udp/PORT/quic-v1, so its port must be known before it starts: `--dht-port`, or one
 picked here that is free for both. libp2p dials QUIC where both are known and TCP where UDP does
-not get through; a DHT call over QUIC puts about a third fewer bytes on the wire (docs/round-protocol.md,
+not get through; a run's DHT calls over QUIC put about a quarter fewer bytes on the wire (docs/round-protocol.md,
 Decision 57).
 
 A host (of `--host`, `--announce-addr`, an endpoint) is an IP address or a hostname, nothing else:
