@@ -1,7 +1,7 @@
 """What one DHT call of lowcomm's control plane puts on the wire, by kind and by replica count.
 
     sudo python experiments/dht_call_bytes.py [--nodes 5] [--replicas 5 3] [--cache on off]
-        [--mode searched direct] [--transport quic] [--spacing-s 0] [--calls 20] [--out experiments/out/dht_call_bytes]
+        [--mode searched direct] [--transport tcp] [--spacing-s 0] [--calls 20] [--out experiments/out/dht_call_bytes]
 
 A row is one replica count (hivemind's `num_replicas`), caching (hivemind's `cache_locally`;
 lowcomm's are transport.control.DHT_TRAFFIC's) and mode: ``searched`` searches the key's nodes at
@@ -15,8 +15,9 @@ the bytes sent on the namespace's loopback, less the idle rate measured first, d
 is a call's cost: every byte between the nodes, each counted once. Unlike experiments/dht_cost.py (one
 kind of call per node, each in a namespace of its own), every node here has read the keys first, as
 in a run, which is what decides how many nodes answer a search with them when they keep copies.
-``--transport quic`` (the default) starts the nodes as a run does, on TCP and QUIC (libp2p dials
-QUIC); ``tcp`` leaves QUIC's multiaddrs out (transport.addresses, Decision 57). ``--spacing-s S``
+``--transport tcp`` (the default) starts the nodes as a run does, on TCP; ``quic`` adds a QUIC
+multiaddr of each node (`/udp/PORT/quic-v1`), which libp2p then dials (tried and withdrawn,
+docs/round-protocol.md, Decision 57). ``--spacing-s S``
 waits S seconds after each call, as a run spaces its calls: back to back, the RPCs' frames share TCP
 segments and ACKs that spaced calls each send on their own. A row whose JSON exists under
 --out is skipped (resumable per row); OUT/table.md is rewritten after every row.
@@ -46,15 +47,16 @@ def _lo_sent() -> int:
 
 
 def measure(nodes: int, replicas: int, calls: int, cache: bool, mode: str, idle_s: float = IDLE_S,
-            transport: str = "quic", spacing_s: float = 0.0) -> dict:
+            transport: str = "tcp", spacing_s: float = 0.0) -> dict:
     """Runs inside the row's namespace: bytes per call of each kind."""
     from lowcomm.transport import control, dht_stores
     from lowcomm.transport.control import ControlPlane, PeerRecord
     from lowcomm.transport.identity import Identity
 
-    if transport == "tcp":  # the DHT's multiaddrs without QUIC's
-        both = control.dht_maddrs
-        control.dht_maddrs = lambda *a: tuple(m and [x for x in m if "/tcp/" in x] for m in both(*a))
+    if transport == "quic":  # each TCP multiaddr with a QUIC one beside it
+        tcp_only = control.dht_maddrs
+        control.dht_maddrs = lambda *a: tuple(
+            m and [x for tcp in m for x in (tcp, tcp.replace("/tcp/", "/udp/") + "/quic-v1")] for m in tcp_only(*a))
 
     control.DHT_TRAFFIC.update(num_replicas=replicas, cache_locally=cache)
     if mode == "searched":  # the DHT's processes are forked from this one: they search at every store
@@ -95,7 +97,7 @@ def measure(nodes: int, replicas: int, calls: int, cache: bool, mode: str, idle_
 
 
 def run_row(nodes: int, replicas: int, cache: bool, mode: str, calls: int, idle_s: float = IDLE_S,
-            transport: str = "quic", spacing_s: float = 0.0) -> dict:
+            transport: str = "tcp", spacing_s: float = 0.0) -> dict:
     ns = f"lcdht-{uuid.uuid4().hex[:8]}"
     subprocess.run(["ip", "netns", "add", ns], check=True)
     try:
@@ -135,8 +137,8 @@ def main() -> None:
     parser.add_argument("--mode", choices=["searched", "direct"], nargs="+", default=["searched", "direct"],
                         help="searched: every store searches the key's nodes (hivemind's); "
                              "direct: stores straight to the nodes the last search found (lowcomm's)")
-    parser.add_argument("--transport", choices=["quic", "tcp"], nargs="+", default=["quic"],
-                        help="quic: the nodes listen on TCP and QUIC, as in a run (libp2p dials QUIC); tcp: TCP only")
+    parser.add_argument("--transport", choices=["tcp", "quic"], nargs="+", default=["tcp"],
+                        help="tcp: the nodes listen on TCP, as in a run; quic: on QUIC beside it (libp2p dials QUIC)")
     parser.add_argument("--spacing-s", type=float, default=0.0, help="a wait after each call, as a run spaces them")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--idle-s", type=float, default=IDLE_S, help="how long the idle rate is measured first")

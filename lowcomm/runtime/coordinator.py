@@ -39,7 +39,7 @@ from lowcomm.runtime.round_anchor import Anchor, FollowedRecords, RoundFollower,
 from lowcomm.runtime.runlog import COORDINATOR_CALLS_FILE
 from lowcomm.runtime.run_config import publish_run_config
 from lowcomm.runtime.state_transfer import Snapshot, StateError, StateHolder, download_state, state_phi_hash
-from lowcomm.transport.addresses import coordinator_args, grpc_endpoint
+from lowcomm.transport.addresses import grpc_endpoint
 from lowcomm.transport.control import ControlPlane, PeerRecord
 from lowcomm.transport.identity import Identity, KeyFileError
 from lowcomm.transport.round_posts import ANCHOR, RoundPosts, post_request
@@ -133,7 +133,7 @@ class Coordinator:
         info = {"run": run, "maddrs": maddrs, "run_key": self.identity.public_key_text,
                 "endpoint": self.record.endpoint, "config_hash": self.config.config_hash(),
                 "resumed_round": resumed.round if resumed else None, "pid": os.getpid(),
-                "join_command": f"lowcomm peer join {' '.join(coordinator_args(maddrs))} --run-key {self.identity.public_key_text}"
+                "join_command": f"lowcomm peer join --coordinator {maddrs[0]} --run-key {self.identity.public_key_text}"
                                 f" --run {run}"}
         if self.ready_file is not None:
             tmp = Path(str(self.ready_file) + ".tmp")

@@ -42,23 +42,20 @@ def check_device(device: str) -> None:
     resolve_device(device)
 
 
-def check_port_free(host: str, port: int, flag: str = "--port", udp: bool = False) -> None:
-    """A fixed TCP port (and, with `udp`, the UDP port of that number: the DHT's QUIC) another process
-    already uses is refused (0: a free one is picked later)."""
+def check_port_free(host: str, port: int, flag: str = "--port") -> None:
+    """A fixed TCP port another process already listens on is refused (0: a free one is picked later)."""
     if port == 0:
         return
     if not 0 < port < 65536:
         raise ConfigError(f"{flag} {port} is not a TCP port (1-65535, or 0 for any free one)")
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    for kind, name in [(socket.SOCK_STREAM, "TCP"), *([(socket.SOCK_DGRAM, "UDP")] if udp else [])]:
-        with socket.socket(family, kind) as s:
-            # as the servers bind: a port left in TIME_WAIT by the last run's connections is free, a listener is not
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((host, port))
-            except OSError as e:
-                raise ConfigError(f"{flag} {port} on {host} is not free for {name} ({e.strerror}); stop what uses "
-                                  "it or pick another port") from None
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        # as the servers bind: a port left in TIME_WAIT by the last run's connections is free, a listener is not
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ConfigError(f"{flag} {port} on {host} is not free ({e.strerror}); stop what uses it or "
+                              "pick another port") from None
 
 
 def check_host(text: str | None, flag: str = "--host") -> None:
@@ -79,7 +76,7 @@ def check_announce(text: str | None) -> None:
 def check_ports(host: str, port: int, dht_host: str | None, dht_port: int) -> None:
     """The data plane's and the DHT's fixed ports: free, and not the same one."""
     check_port_free(host, port)
-    check_port_free(dht_host or host, dht_port, "--dht-port", udp=True)
+    check_port_free(dht_host or host, dht_port, "--dht-port")
     if port and port == dht_port:
         raise ConfigError(f"--port and --dht-port are both {port}; give the DHT another port")
 

@@ -49,7 +49,6 @@ from lowcomm.runtime.processes import (Process, SimulationError, spawn, terminat
 from lowcomm.runtime.report import build_report
 from lowcomm.runtime.runlog import COORDINATOR_CALLS_FILE, read_records
 from lowcomm.runtime.sim_netns import NamespaceMode
-from lowcomm.transport.addresses import coordinator_args
 from lowcomm.transport.netns import NetnsLab
 from lowcomm.transport.shaper import LinkSpec, parse_link_option
 
@@ -156,7 +155,7 @@ class Simulation(NamespaceMode):
         link = parse_link_option(self.config.link.spec_for(index))
         capped = link is not None and not math.isinf(link.rate_bits)  # "unlimited:40ms": latency only
         node = self.node(name, index, link.rate_bits if capped else None)
-        args = ["peer", "join", *coordinator_args(self.info["maddrs"]), "--run-key", self.info["run_key"],
+        args = ["peer", "join", "--coordinator", self.info["maddrs"][0], "--run-key", self.info["run_key"],
                 "--run", self.info["run"], "--host", node.address if node else self.host, "--data-shard", str(index),
                 "--num-shards", str(max(self.peers, index + 1)), "--run-dir", str(self.run_dir), "--device", "cpu"]
         if node is not None:

@@ -11,11 +11,8 @@ gRPC endpoint and the DHT's multiaddrs carry an address of this machine instead:
   interface address, and 127.0.0.1 only as a last resort, with a warning (only this machine can
   dial it).
 
-The DHT (p2pd) listens on and announces two multiaddrs of one port, /ip4/ADDRESS/tcp/PORT and
-/ip4/ADDRESS/udp/PORT/quic-v1, so its port must be known before it starts: `--dht-port`, or one
-picked here that is free for both. libp2p dials QUIC where both are known and TCP where UDP does
-not get through; a run's DHT calls over QUIC put about a quarter fewer bytes on the wire (docs/round-protocol.md,
-Decision 57).
+The DHT (p2pd) announces exactly one multiaddr, /ip4/ADDRESS/tcp/PORT, so its port must be known
+before it starts: `--dht-port`, or a free one picked here.
 
 A host (of `--host`, `--announce-addr`, an endpoint) is an IP address or a hostname, nothing else:
 no scheme, no path, no spaces; an IPv6 address takes brackets before a port (`[2001:db8::1]:31400`).
@@ -150,45 +147,29 @@ def grpc_endpoint(listen_host: str, port: int, announce: str | None = None) -> s
     return join_host_port(announce_host(listen_host, announce), announced_port or port)
 
 
-def maddr(host: str, port: int, transport: str = "tcp") -> str:
-    """A multiaddr for `host` (an IPv4 or IPv6 address, or a DNS name) over TCP, or over QUIC
-    (``transport="quic"``: UDP port `port`)."""
-    tail = f"/tcp/{port}" if transport == "tcp" else f"/udp/{port}/quic-v1"
+def maddr(host: str, port: int) -> str:
+    """A TCP multiaddr for `host` (an IPv4 or IPv6 address, or a DNS name)."""
     try:
         version = ipaddress.ip_address(host.strip("[]")).version
-        return f"/ip{version}/{host.strip('[]')}{tail}"
+        return f"/ip{version}/{host.strip('[]')}/tcp/{port}"
     except ValueError:
-        return f"/dns/{host}{tail}"
+        return f"/dns/{host}/tcp/{port}"
 
 
-def free_port(host: str, attempts: int = 20) -> int:
-    """A port nobody uses at `host` for TCP nor UDP at the time of the call (the DHT binds both right after)."""
+def free_port(host: str) -> int:
+    """A TCP port nobody listens on at `host` at the time of the call (the DHT binds it right after)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    bind_host = host.strip("[]") if not is_wildcard(host) else ""
-    for _ in range(attempts):
-        with socket.socket(family, socket.SOCK_STREAM) as tcp, socket.socket(family, socket.SOCK_DGRAM) as udp:
-            tcp.bind((bind_host, 0))
-            port = tcp.getsockname()[1]
-            try:
-                udp.bind((bind_host, port))
-            except OSError:  # taken for UDP: another one
-                continue
-            return port
-    raise OSError(f"no port free for both TCP and UDP on {host or 'this machine'}; pass --dht-port")
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host.strip("[]") if not is_wildcard(host) else "", 0))
+        return s.getsockname()[1]
 
 
 def dht_maddrs(listen_host: str, port: int, announce: str | None = None) -> tuple[list[str], list[str] | None]:
-    """(listen multiaddrs, announce multiaddrs) for the DHT, TCP's then QUIC's. Listening on one named
-    address with nothing to announce, p2pd announces that address itself (None); otherwise it
-    announces the one address others dial, so the port is fixed first."""
-    both = ("tcp", "quic")
+    """(listen multiaddrs, announce multiaddrs) for the DHT. Listening on one named address with
+    nothing to announce, p2pd announces that address itself (None); otherwise it announces the one
+    address others dial, so the port is fixed first."""
     if announce is None and not is_wildcard(listen_host):
-        return [maddr(listen_host, port, t) for t in both], None
+        return [maddr(listen_host, port)], None
     port = port or free_port(listen_host)
-    listen = "0.0.0.0" if is_wildcard(listen_host) else listen_host
-    return [maddr(listen, port, t) for t in both], [maddr(announce_host(listen_host, announce), port, t) for t in both]
-
-
-def coordinator_args(maddrs: list[str]) -> list[str]:
-    """``--coordinator M`` for each of a DHT node's multiaddrs (TCP's and QUIC's), as `peer join` takes them."""
-    return [arg for m in maddrs for arg in ("--coordinator", m)]
+    listen = maddr("0.0.0.0" if is_wildcard(listen_host) else listen_host, port)
+    return [listen], [maddr(announce_host(listen_host, announce), port)]

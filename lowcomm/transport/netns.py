@@ -241,9 +241,8 @@ class NetnsLab:
         _ip_batch([f"link set {node.host_veth} {'up' if up else 'down'}"])
 
     def refuse_inbound(self, node: Node) -> None:
-        """After this call nobody can open a connection to `node` (its SYN-ACKs and its UDP are dropped), on
-        either plane; the TCP connections it opens work as before. It stands for a peer behind NAT or a
-        firewall."""
+        """After this call nobody can open a TCP connection to `node` (its SYN-ACKs are dropped), on either
+        plane; the connections it opens work as before. It stands for a peer behind NAT or a firewall."""
         _tc_batch(_refusal_commands("eth0"), netns=node.ns)
         node.refuses_inbound = True
 

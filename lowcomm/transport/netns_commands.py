@@ -198,20 +198,15 @@ def _htb_commands(device: str, params: HtbParams, control_net: ipaddress.IPv4Net
 
 
 def _refusal_commands(device: str) -> list[str]:
-    """Drops every TCP SYN-ACK `device` sends, and every UDP datagram: nobody completes a connection to
-    the node, while the TCP connections it opens itself (it sends the SYN, receives the SYN-ACK) work.
-    A stateless firewall with no open port that also blocks UDP, or a NAT without forwarding, as
-    others see it: QUIC (the DHT's other transport, transport.addresses) cannot tell a connection
-    this node opened from one opened to it on a stateless filter, so the node goes without it and
-    libp2p dials out over TCP. tc alone, since the kernel here may have no netfilter and no tc
-    actions. Matches IPv4 headers without options (20 bytes), so the TCP flags are at byte 33; the
-    class's pfifo holds 0 packets, so all it gets is dropped."""
+    """Drops every TCP SYN-ACK `device` sends: nobody completes a connection to the node, while the
+    connections it opens itself (it sends the SYN, receives the SYN-ACK) work. A stateless firewall
+    with no open port, or a NAT without forwarding, as others see it; tc alone, since the kernel here
+    may have no netfilter and no tc actions. Matches IPv4 headers without options (20 bytes), so the
+    TCP flags are at byte 33; the class's pfifo holds 0 packets, so all it gets is dropped."""
     return [f"class add dev {device} parent 1:1 classid {REFUSED_CLASS} htb rate 8kbit ceil 8kbit",
             f"qdisc add dev {device} parent {REFUSED_CLASS} handle 30: pfifo limit 0",
             f"filter add dev {device} parent 1: protocol ip prio 1 u32 match u8 0x45 0xff at 0 "
-            f"match ip protocol 6 0xff match u8 0x12 0x12 at 33 flowid {REFUSED_CLASS}",
-            f"filter add dev {device} parent 1: protocol ip prio 1 u32 match ip protocol 17 0xff "
-            f"flowid {REFUSED_CLASS}"]
+            f"match ip protocol 6 0xff match u8 0x12 0x12 at 33 flowid {REFUSED_CLASS}"]
 
 
 _CLASS_STATS = re.compile(r"^class htb (\d+:\d+) [^\n]*\n\s*Sent (\d+) bytes (\d+) pkt", re.M)

@@ -82,26 +82,3 @@ def test_a_leaving_peers_record_is_gone_at_once_and_stays_gone(swarm):
         assert leaver.identity.peer_id not in coordinator.live_peers()
     finally:
         leaver.shutdown()
-
-
-async def _connections(dht, node) -> dict[str, list[str]]:  # in the DHT's process: peer id -> its connections
-    return {str(peer.peer_id): [str(address) for address in peer.addrs] for peer in await node.p2p.list_peers()}
-
-
-def test_a_node_given_both_multiaddrs_bootstraps_over_quic_and_one_given_tcp_over_tcp():
-    first = ControlPlane.start(Identity.generate(), "run-q")
-    tcp, quic = first.visible_maddrs()
-    assert "/tcp/" in tcp and quic.split("/p2p/")[0].endswith("/quic-v1")
-    first_id = tcp.split("/p2p/")[1]
-    both = ControlPlane.start(Identity.generate(), "run-q", initial_peers=[tcp, quic])  # as the join command
-    told_tcp = ControlPlane.start(Identity.generate(), "run-q", initial_peers=[tcp])
-    try:
-        for node in (both, told_tcp):
-            node.publish_peer(PeerRecord(node.identity.peer_id, "127.0.0.1:5000", state="training"), 60)
-        assert set(both.live_peers()) == set(told_tcp.live_peers()) == {both.identity.peer_id, told_tcp.identity.peer_id}
-        # the bootstrap connection each opened to `first` (the others, between the two, may race either way)
-        assert any(a.endswith("/quic-v1") for a in both.dht.run_coroutine(_connections)[first_id])
-        assert ["/tcp/" in a for a in told_tcp.dht.run_coroutine(_connections)[first_id]] == [True]
-    finally:
-        for node in (first, both, told_tcp):
-            node.shutdown()

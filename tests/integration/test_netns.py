@@ -66,28 +66,6 @@ print(json.dumps({"elapsed": ended - started, "started": started, "ended": ended
 
 
 
-UDP_ECHO = r"""
-import socket, sys
-s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-s.bind((sys.argv[1], 0))
-print(s.getsockname()[1], flush=True)
-while True:
-    data, sender = s.recvfrom(64)
-    s.sendto(data, sender)
-"""
-
-UDP_ASK = r"""
-import json, socket, sys
-s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-s.settimeout(float(sys.argv[3]))
-s.sendto(b"ping", (sys.argv[1], int(sys.argv[2])))
-try:
-    print(json.dumps({"echo": s.recvfrom(64)[0].decode()}))
-except socket.timeout:
-    print(json.dumps({"error": "timeout"}))
-"""
-
-
 # ---- helpers ----------------------------------------------------------------------------
 
 def outside_state() -> tuple[set[str], set[str]]:
@@ -127,12 +105,6 @@ class Processes:
     def server(self, node, host: str = "0.0.0.0") -> tuple[subprocess.Popen, int]:
         process = self.start(node.wrap([sys.executable, "-I", "-c", SERVER, host]))
         return process, int(read_line(process))
-
-    def udp_server(self, node) -> int:
-        return int(read_line(self.start(node.wrap([sys.executable, "-I", "-c", UDP_ECHO, "0.0.0.0"]))))
-
-    def udp_ask(self, node, host: str, port: int, wait_s: float) -> dict:
-        return self.finish(self.start(node.wrap([sys.executable, "-I", "-c", UDP_ASK, host, str(port), str(wait_s)])))
 
     def push(self, node, host: str, port: int, nbytes: int, connect_s: float = 60.0) -> dict:
         return self.finish(self.start_push(node, host, port, nbytes, connect_s))
@@ -312,12 +284,6 @@ def test_a_node_that_refuses_inbound_connections_still_dials_out(lab, processes)
     for address in (a.address, a.control_address):  # in: no connection completes, on either plane
         assert processes.push(b, address, a_port, 1000, connect_s=3) == {"error": "TimeoutError"}
     assert processes.push(a, b.control_address, b_port, 1000)["echo"] == 1000
-    udp_a, udp_b = processes.udp_server(a), processes.udp_server(b)
-    c = lab.add_node("c")
-    assert processes.udp_ask(c, b.control_address, udp_b, 20) == {"echo": "ping"}  # UDP itself works here
-    for address in (a.address, a.control_address):  # UDP (QUIC) neither way: the node's datagrams are dropped
-        assert processes.udp_ask(c, address, udp_a, 2) == {"error": "timeout"}
-    assert processes.udp_ask(a, b.control_address, udp_b, 2) == {"error": "timeout"}
     assert a.refuses_inbound and not b.refuses_inbound
 
 

@@ -10,9 +10,8 @@ import pytest
 
 from lowcomm.cli import main
 from lowcomm.transport import addresses
-from lowcomm.transport.addresses import (announce_host, coordinator_args, dht_maddrs, free_port, grpc_endpoint, is_host,
-                                         is_wildcard, join_host_port, maddr, primary_ipv4, split_announce,
-                                         split_endpoint)
+from lowcomm.transport.addresses import (announce_host, dht_maddrs, grpc_endpoint, is_host, is_wildcard,
+                                         join_host_port, maddr, primary_ipv4, split_announce, split_endpoint)
 from lowcomm.transport.identity import Identity
 
 MADDR = "/ip4/127.0.0.1/tcp/9/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
@@ -113,31 +112,25 @@ def test_multiaddrs():
     assert maddr("10.0.0.1", 5) == "/ip4/10.0.0.1/tcp/5"
     assert maddr("2001:db8::1", 5) == "/ip6/2001:db8::1/tcp/5"
     assert maddr("peer.example.org", 5) == "/dns/peer.example.org/tcp/5"
-    assert maddr("10.0.0.1", 5, "quic") == "/ip4/10.0.0.1/udp/5/quic-v1"
-    assert maddr("2001:db8::1", 5, "quic") == "/ip6/2001:db8::1/udp/5/quic-v1"
-    assert maddr("peer.example.org", 5, "quic") == "/dns/peer.example.org/udp/5/quic-v1"
 
 
 def test_one_named_address_announces_itself():
-    assert dht_maddrs("127.0.0.1", 0) == (["/ip4/127.0.0.1/tcp/0", "/ip4/127.0.0.1/udp/0/quic-v1"], None)
-    assert dht_maddrs("10.0.0.5", 31401) == (["/ip4/10.0.0.5/tcp/31401", "/ip4/10.0.0.5/udp/31401/quic-v1"], None)
+    assert dht_maddrs("127.0.0.1", 0) == (["/ip4/127.0.0.1/tcp/0"], None)
+    assert dht_maddrs("10.0.0.5", 31401) == (["/ip4/10.0.0.5/tcp/31401"], None)
 
 
 def test_the_wildcard_announces_the_primary_address_on_a_fixed_port(machine):
-    assert dht_maddrs("0.0.0.0", 31401) == (["/ip4/0.0.0.0/tcp/31401", "/ip4/0.0.0.0/udp/31401/quic-v1"],
-                                            ["/ip4/198.51.100.7/tcp/31401", "/ip4/198.51.100.7/udp/31401/quic-v1"])
+    assert dht_maddrs("0.0.0.0", 31401) == (["/ip4/0.0.0.0/tcp/31401"], ["/ip4/198.51.100.7/tcp/31401"])
     listen, announce = dht_maddrs("0.0.0.0", 0)
     port = int(listen[0].rsplit("/", 1)[1])
-    assert 0 < port < 65536 and listen[1] == f"/ip4/0.0.0.0/udp/{port}/quic-v1"  # p2pd refuses port 0 there
-    assert announce == [f"/ip4/198.51.100.7/tcp/{port}", f"/ip4/198.51.100.7/udp/{port}/quic-v1"]
+    assert 0 < port < 65536 and announce == [f"/ip4/198.51.100.7/tcp/{port}"]  # p2pd refuses port 0 there
 
 
 def test_announce_addr_sets_the_dht_host_not_its_port(machine):
-    assert dht_maddrs("0.0.0.0", 31401, "203.0.113.7:31400")[1] == ["/ip4/203.0.113.7/tcp/31401",
-                                                                     "/ip4/203.0.113.7/udp/31401/quic-v1"]
-    assert dht_maddrs("10.0.0.5", 31401, "203.0.113.7") == (["/ip4/10.0.0.5/tcp/31401", "/ip4/10.0.0.5/udp/31401/quic-v1"],
-                                                             ["/ip4/203.0.113.7/tcp/31401",
-                                                              "/ip4/203.0.113.7/udp/31401/quic-v1"])
+    assert dht_maddrs("0.0.0.0", 31401, "203.0.113.7:31400") == (["/ip4/0.0.0.0/tcp/31401"],
+                                                                  ["/ip4/203.0.113.7/tcp/31401"])
+    assert dht_maddrs("10.0.0.5", 31401, "203.0.113.7") == (["/ip4/10.0.0.5/tcp/31401"],
+                                                             ["/ip4/203.0.113.7/tcp/31401"])
 
 
 # ---- the command line --------------------------------------------------------------------
@@ -181,12 +174,7 @@ def test_a_dht_port_in_use_or_shared_with_the_data_plane_is_refused(capsys, run_
         busy.listen()
         port = busy.getsockname()[1]
         assert main(["peer", "join", "--coordinator", MADDR, "--run-key", run_key, "--dht-port", str(port)]) == 2
-        assert f"--dht-port {port} on 0.0.0.0 is not free for TCP" in one_line_error(capsys)
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as busy:  # the DHT's QUIC takes the UDP port too
-        busy.bind(("0.0.0.0", 0))
-        port = busy.getsockname()[1]
-        assert main(["peer", "join", "--coordinator", MADDR, "--run-key", run_key, "--dht-port", str(port)]) == 2
-        assert f"--dht-port {port} on 0.0.0.0 is not free for UDP" in one_line_error(capsys)
+        assert f"--dht-port {port} on 0.0.0.0 is not free" in one_line_error(capsys)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         free = s.getsockname()[1]
@@ -194,15 +182,3 @@ def test_a_dht_port_in_use_or_shared_with_the_data_plane_is_refused(capsys, run_
     assert main(["coordinator", "start", "--run-dir", str(run_dir), "--port", str(free), "--dht-port", str(free)]) == 2
     assert "--port and --dht-port are both" in one_line_error(capsys)
     assert not run_dir.exists()
-
-
-def test_a_picked_port_is_free_for_both_tcp_and_udp():
-    port = free_port("127.0.0.1")
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tcp, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
-        tcp.bind(("127.0.0.1", port))
-        udp.bind(("127.0.0.1", port))
-
-
-def test_the_join_command_names_every_multiaddr():
-    assert coordinator_args(["/ip4/10.0.0.1/tcp/5/p2p/Qm", "/ip4/10.0.0.1/udp/5/quic-v1/p2p/Qm"]) == [
-        "--coordinator", "/ip4/10.0.0.1/tcp/5/p2p/Qm", "--coordinator", "/ip4/10.0.0.1/udp/5/quic-v1/p2p/Qm"]
