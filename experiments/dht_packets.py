@@ -1,6 +1,6 @@
 """What a run's DHT bytes are made of on the wire, packet by packet: revisions side by side in network namespaces.
 
-    sudo python experiments/dht_packets.py [--revisions tcp=83ec5a0 quic=HEAD] [--algo sparseloco]
+    sudo python experiments/dht_packets.py [--revisions tcp=HEAD quic=aafb14c] [--algo sparseloco]
         [--peers 4] [--steps 900] [--link 20mbit] [--seed 0] [--timeout-s 1200]
         [--worktrees /tmp/lowcomm-dht-packets] [--out experiments/out/dht_packets]
 
@@ -143,7 +143,7 @@ def write_table(out: Path, names: list[str], args) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--revisions", nargs="+", default=["tcp=83ec5a0", "quic=HEAD"], help="NAME=REV, in the table's order")
+    ap.add_argument("--revisions", nargs="+", default=["tcp=HEAD", "quic=aafb14c"], help="NAME=REV, in the table's order")
     ap.add_argument("--algo", default="sparseloco")
     ap.add_argument("--peers", type=int, default=4)
     ap.add_argument("--steps", type=int, default=900)
