@@ -12,10 +12,11 @@ ACKs and DHT traffic included), counted the same way for every system; the boots
 coordinator node is not counted.
 
 ddp runs --ddp-steps steps per peer; its final held-out loss is the target (--target-loss gives it
-instead, from an earlier ddp row, and ddp is not run). The others run up to
-2x ddp's tokens; a row's "time to target" is the wall time (from the first training step) of its
-first held-out evaluation at or below the target, its "bytes to target" what the peers had sent
-by then (interpolated in the ~1 s samples of the veth counters), else "not reached".
+instead, from an earlier ddp row, and ddp is not run). The others run up to 2x ddp's tokens
+(hivemind: --hivemind-steps per peer where given, so that it can reach the target); a row's "time
+to target" is the wall time (from the first training step) of its first held-out evaluation at or
+below the target, its "bytes to target" what the peers had sent by then (interpolated in the ~1 s
+samples of the veth counters), else "not reached".
 
 Targets (BENCHMARKS.md): at 20 Mbit/s >= 5x faster than ddp to ddp's loss; at 100 Mbit/s >= 0.8 x
 the ceiling (t_compute + t_ddp_sync) / t_compute measured in the ddp row; vs hivemind >= 3x less
@@ -281,6 +282,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", type=int, nargs="+", default=[100, 20], help="Mbit/s per peer, each way")
     parser.add_argument("--ddp-steps", type=int, default=300)
+    parser.add_argument("--hivemind-steps", type=int, default=None,
+                        help="steps per peer of the hivemind row (default: 2x --ddp-steps, as the lowcomm rows)")
     parser.add_argument("--systems", nargs="+", default=["ddp", "diloco", "sparseloco", "demo", "hivemind"],
                         choices=[*LOWCOMM_ALGOS, f"diloco{OVERLAP}", f"sparseloco{OVERLAP}", f"demo{OVERLAP}",
                                  "hivemind"],
@@ -302,8 +305,16 @@ def main() -> None:
     cells = [(s, r, seed) for r in args.rates for s in first + [s for s in args.systems if s != "ddp"]
              for seed in (args.seeds if s in args.seeded else args.seeds[:1])]
     started, ran = time.time(), 0
+
+    def steps_of(system: str) -> int:
+        if system == "ddp":
+            return args.ddp_steps
+        if system == "hivemind" and args.hivemind_steps:
+            return args.hivemind_steps
+        return 2 * args.ddp_steps
+
     for i, (system, rate, seed) in enumerate(cells):
-        steps = args.ddp_steps if system == "ddp" else 2 * args.ddp_steps
+        steps = steps_of(system)
         name = row_name(system, rate, steps, args.peers, seed)
         path = args.out / f"{name}.json"
         if not path.exists() and not args.table_only:
@@ -316,7 +327,7 @@ def main() -> None:
             path.write_text(json.dumps(row, indent=1))
             ran += 1
             left = sum(1 for s, r, sd in cells[i + 1:]
-                       if not (args.out / f"{row_name(s, r, args.ddp_steps if s == 'ddp' else 2 * args.ddp_steps, args.peers, sd)}.json").exists())
+                       if not (args.out / f"{row_name(s, r, steps_of(s), args.peers, sd)}.json").exists())
             eta = (time.time() - started) / ran * left
             print(f"[{i + 1}/{len(cells)}] {name}: loss {row['final_loss']:.4f}, {time.time() - t0:.0f}s; "
                   f"ETA {eta / 60:.0f} min for {left} rows", flush=True)
