@@ -14,4 +14,4 @@ class SyncConfig:
     zstd_level: int = 1  # zstd framing of payloads (0: off)
     max_contributors: int = 0  # G: the most members that send contributions in one round (0: all)
     heartbeat_s: float = 2.0  # how often a peer refreshes its record
-    record_ttl_s: float = 10.0  # how long a record outlives its last heartbeat
+    record_ttl_s: float = 30.0  # how long a record outlives its last heartbeat

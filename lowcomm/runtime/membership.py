@@ -9,10 +9,12 @@ after its last heartbeat, so a killed peer vanishes by itself; a peer that leave
 once and withdraws the round it announced ahead, so that round's leader need not wait for it.
 
 With ``quiet`` (the data-parallel peers: nobody acts on their step, loss or throughput, only on where
-they are and in which round) a heartbeat stores the record only when a field others act on
-changed (`acted_on`) or half its lifetime passed since it was last stored; the status pages' numbers
-are then up to that old. Stage peers (quiet off) store every heartbeat: their routes weigh the
-throughput and count the steps.
+they are, what they do and whether they are past the run's first round) a heartbeat stores the record
+only when a field others act on changed (`acted_on`) or half its lifetime passed since it was last
+stored; the round it holds and the status pages' numbers are then up to that old. A round's agreement
+learns who reached it from the posted announcements, so a record is not stored at every round
+(Decision 58): a due peer's record may name an older round, which keeps it due all the same. Stage
+peers (quiet off) store every heartbeat: their routes weigh the throughput and count the steps.
 """
 
 from __future__ import annotations
@@ -123,6 +125,8 @@ class Membership:
 
 
 def acted_on(record: PeerRecord) -> tuple:
-    """The fields of a record other peers and the coordinator act on (where it is, what it does, its round)."""
-    return (record.endpoint, record.state, record.round, record.client_mode, record.stage, record.stage_state,
+    """The fields of a record other peers and the coordinator act on at once: where it is, what it does,
+    and whether it left round 0 (a joiner that sees only round-0 records starts from φ_0 instead of
+    downloading the state: runtime.state_sync)."""
+    return (record.endpoint, record.state, record.round > 0, record.client_mode, record.stage, record.stage_state,
             record.rollback_to, record.rollback_at, record.token, record.device, record.link)
