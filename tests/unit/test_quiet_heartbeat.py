@@ -1,7 +1,7 @@
 """A quiet peer's heartbeat (runtime.membership): it stores its DHT record only when a field others act on
 changed (its round only when it leaves round 0) or half the record's lifetime passed; a stage peer's
-(not quiet) stores at every beat, and a state change is stored at once either way. A stats store that does not return never holds up the
-record's refresh."""
+(not quiet) stores at every beat, and a state change is stored at once either way. A stats store that
+does not return never holds up the record's refresh."""
 
 from __future__ import annotations
 
