@@ -24,11 +24,11 @@ H, ROUNDS = 5, 3
 # The control plane's budget per DHT node and second of the lab's life (start-up included): a record's
 # store when it leaves round 0 and at half its life (Decision 58), the reads of the live records, the
 # leader's manifest, the coordinator's anchors, the φ votes, start-up's looks and hivemind's upkeep; a
-# round's announcements are posted, not stored (Decision 34; the count below). This run measured 3.4 KB/s per node with a search
-# before every store (2.0 with reads from one node, Decision 40, withdrawn); the bound, about twice that,
-# catches a regression to a tight poll loop (13.7 KB/s with the 50 ms poll) or to hivemind's cache
-# refreshes. What a store sends is bounded in tests/integration/test_dht_store_bytes.py, the agreement's
-# own reads per round in tests/unit/test_agreement_wakes.py.
+# round's announcements are posted, not stored (Decision 34; the count below). This run measured 3.4 KB/s
+# per node with a search before every store (2.0 with reads from one node, Decision 40, withdrawn); the
+# bound, about twice that, catches a regression to a tight poll loop (13.7 KB/s with the 50 ms poll) or to
+# hivemind's cache refreshes. What a store sends is bounded in tests/integration/test_dht_store_bytes.py,
+# the agreement's own reads per round in tests/unit/test_agreement_wakes.py.
 CONTROL_BYTES_PER_NODE_S = 6_000
 TEARDOWN_S = 30.0  # the lab counts until its nodes stop, after the last step
 # tests/integration/test_integration.py's small_config, as a file for the command line
