@@ -26,12 +26,14 @@ from lowcomm.runtime.context import PeerContext, round_timeout
 from lowcomm.runtime.membership import Membership
 from lowcomm.runtime.progress import Progress
 from lowcomm.runtime.round_anchor import Anchor, agreed_hash, parse_anchor, read_anchor
-from lowcomm.runtime.state_transfer import StateError, decode_state, download_state, encode_state, state_phi_hash
+from lowcomm.runtime.state_transfer import (StateError, decode_state, download_state, encode_state, held_round,
+                                            state_phi_hash)
 from lowcomm.transport.round_posts import ANCHOR
 
 MAX_STATE_BYTES = 8 << 30
 FETCH_DEADLINE_S = 600.0  # a joiner's wait for a source (the run may not have started)
 STATE_WAIT_S = 120.0  # how long a source may hold a download back until it reaches the requested round
+HELD_ROUND_S = 5.0  # how long a source may take to say which round it holds
 # a source whose state's round had no anchor this many times is passed over: a record may claim any round
 UNANCHORED_TRIES = 2
 ANCHOR_SLACK_S = 5.0  # beyond sync.announce_s, how long a download waits for the coordinator's anchor
@@ -149,8 +151,10 @@ class StateSync:
             trainers = [r for r in trainers if r.peer_id in (prefer or ())] or trainers
             if trainers:
                 newest = max(r.round for r in trainers)
-                target = max(min_round or 0, self.round_boundary_for(newest))
                 source = random.choice([r for r in trainers if r.round == newest])
+                # its record's round may be half a record's life old (Decision 58): the source says its own
+                held = held_round(ctx.channels, ctx.traffic, source.endpoint, ctx.options.run_name, me, HELD_ROUND_S)
+                target = max(min_round or 0, self.round_boundary_for(max(newest, held or 0)))
             else:  # only a holder (a resumed coordinator): take its round as is
                 source = max(records, key=lambda r: r.round)
                 target = max(min_round or 0, source.round)

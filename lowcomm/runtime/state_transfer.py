@@ -1,7 +1,8 @@
 """Global state as bytes: safetensors blobs, validated on receipt, served to joiners and resyncing peers.
 
 A holder keeps one snapshot (round, blob); a request may ask for a minimum round and wait for the
-holder to get there, so a joiner can start exactly at a round boundary. That wait lasts at most
+holder to get there, so a joiner can start exactly at a round boundary (a request for a round past
+any it can reach, without waiting, is answered with the round held: `held_round`). That wait lasts at most
 `MAX_STATE_WAIT_S` and ends when the caller's call does; a wait_s that is not a finite number waits
 for nothing (NaN would slip past both bounds and spin until the call ends). Received state is
 checked against the model's expected tensor names and shapes, dtype float32 and finiteness before
@@ -28,6 +29,7 @@ from lowcomm.transport.wire import Channels, Traffic, WireError, assemble, slice
 
 
 PHI_PREFIXES = ("phi.", "param.")  # φ of the round-based algorithms; the parameters of ddp and DeMo
+PROBE_ROUND = 1 << 62  # a round no holder reaches: its answer says the round held (`held_round`)
 MAX_STATE_WAIT_S = 120.0  # the longest a GetState call waits for the requested round
 WAIT_SLICE_S = 1.0  # a waiting server thread looks at its call's state at least this often
 
@@ -117,7 +119,8 @@ class StateHolder:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not context.is_active():
                     have = -1 if self._snapshot is None else self._snapshot.round
-                    yield wire_pb2.StateChunk(error=f"state at round {have}, below the requested {request.min_round}")
+                    yield wire_pb2.StateChunk(error=f"state at round {have}, below the requested {request.min_round}",
+                                              round=max(have, 0))
                     return
                 self._cond.wait(min(remaining, WAIT_SLICE_S))
             snap = self._snapshot
@@ -128,6 +131,27 @@ class StateHolder:
                                           tokens=snap.tokens)
             else:
                 yield wire_pb2.StateChunk(data=data)
+
+
+def held_round(channels: Channels, traffic: Traffic, endpoint: str, run_id: str, requester: str,
+               timeout: float) -> int | None:
+    """The round of the state the holder at ``endpoint`` serves now (0: none yet), from one header-only
+    answer to a request for a round it cannot hold; None if it did not answer so. A peer record's round
+    may be up to half its life old (docs/round-protocol.md, Decision 58): a joiner asks its source."""
+    request = wire_pb2.StateRequest(run_id=run_id, requester=requester, min_round=PROBE_ROUND, wait_s=0.0)
+    deadline = time.monotonic() + timeout
+    traffic.count_sent(request, deadline)
+    stream = None
+    try:
+        stream = channels.stub(endpoint).GetState(request, timeout=timeout)
+        for chunk in traffic.receiving(stream, deadline):
+            return int(chunk.round) if chunk.error.startswith("state at round") else None
+    except grpc.RpcError:
+        return None
+    finally:
+        if stream is not None:
+            stream.cancel()
+    return None
 
 
 def download_state(channels: Channels, traffic: Traffic, endpoint: str, run_id: str, requester: str,

@@ -327,6 +327,7 @@ def test_a_source_whose_state_is_not_the_agreed_phi_is_refused_and_another_used(
     publish_anchor(MemoryControl("coord", store, live), "0-0", Anchor(6, FakeReplica(1.0).phi_hash(), ("a", "good")),
                    60)
     values = {"bad:1": 666.0, "good:1": 1.0}
+    monkeypatch.setattr("lowcomm.runtime.state_sync.held_round", lambda *a, **kw: None)  # records are current
     monkeypatch.setattr("lowcomm.runtime.state_sync.FETCH_DEADLINE_S", 30.0)
     monkeypatch.setattr("lowcomm.runtime.state_sync.download_state",
                         lambda channels, traffic, endpoint, run, me, target, **kw: served(values[endpoint], 6,
@@ -353,6 +354,7 @@ def test_a_state_whose_round_is_not_anchored_yet_is_asked_again_not_refused(monk
                            Anchor(6, FakeReplica(1.0).phi_hash(), ("only",)), 60)
         return served(1.0, 6, sync.config)
 
+    monkeypatch.setattr("lowcomm.runtime.state_sync.held_round", lambda *a, **kw: None)  # records are current
     monkeypatch.setattr("lowcomm.runtime.state_sync.ANCHOR_SLACK_S", 0.0)
     monkeypatch.setattr("lowcomm.runtime.state_sync.FETCH_DEADLINE_S", 30.0)
     monkeypatch.setattr("lowcomm.runtime.state_sync.download_state", download)
@@ -375,12 +377,34 @@ def test_a_source_that_keeps_serving_a_round_without_an_anchor_is_passed_over(mo
         downloads.append(endpoint)
         return served(1.0, 91 if endpoint == "ahead:1" else 6, sync.config)
 
+    monkeypatch.setattr("lowcomm.runtime.state_sync.held_round", lambda *a, **kw: None)  # records are current
     monkeypatch.setattr("lowcomm.runtime.state_sync.ANCHOR_SLACK_S", 0.0)
     monkeypatch.setattr("lowcomm.runtime.state_sync.FETCH_DEADLINE_S", 30.0)
     monkeypatch.setattr("lowcomm.runtime.state_sync.download_state", download)
     assert sync.fetch(min_round=6)
     assert downloads == ["ahead:1", "ahead:1", "honest:1"] and sync.replica.round == 6
     assert "reject" not in [kind for kind, _ in events]
+
+
+def test_a_joiner_asks_for_the_round_after_the_one_its_source_holds_not_its_older_record(monkeypatch):
+    store = {}
+    live = {"coord": PeerRecord("coord", "coord:1", state="coordinator"),
+            "source": PeerRecord("source", "source:1", state="training", round=5)}  # stored three rounds ago
+    sync, events = state_sync("me", store, live)
+    publish_anchor(MemoryControl("coord", store, live), "0-0", Anchor(9, FakeReplica(1.0).phi_hash(), ("source",)),
+                   60)
+    asked = []
+
+    def download(channels, traffic, endpoint, run, me, target, **kw):
+        asked.append(target)
+        return served(1.0, target, sync.config)  # the source holds it back until it reaches that round
+
+    monkeypatch.setattr("lowcomm.runtime.state_sync.held_round", lambda channels, traffic, endpoint, *a: 8)
+    monkeypatch.setattr("lowcomm.runtime.state_sync.ANCHOR_SLACK_S", 0.0)
+    monkeypatch.setattr("lowcomm.runtime.state_sync.FETCH_DEADLINE_S", 30.0)
+    monkeypatch.setattr("lowcomm.runtime.state_sync.download_state", download)
+    assert sync.fetch()
+    assert asked == [9] and sync.replica.round == 9  # the boundary after the source's round 8, not after 5
 
 
 def test_the_state_hash_is_the_replicas_own_phi_hash():
