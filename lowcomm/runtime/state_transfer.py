@@ -145,7 +145,8 @@ def held_round(channels: Channels, traffic: Traffic, endpoint: str, run_id: str,
     try:
         stream = channels.stub(endpoint).GetState(request, timeout=timeout)
         for chunk in traffic.receiving(stream, deadline):
-            return int(chunk.round) if chunk.error.startswith("state at round") else None
+            claimed = int(chunk.round) if chunk.error.startswith("state at round") else -1
+            return claimed if 0 <= claimed < PROBE_ROUND else None  # a round past it: no run's, refused
     except grpc.RpcError:
         return None
     finally:

@@ -12,6 +12,7 @@ from lowcomm.transport.join_token import MAX_TOKEN_CHARS
 from lowcomm.transport.record_fields import short_label
 
 ALWAYS_STORED = ("peer_id", "endpoint", "heartbeat")  # a peer record's fields stored even at their defaults
+MAX_COUNT = 1 << 62  # a round or step past this is no run's: refused (a state request could not even carry it)
 
 
 @dataclass
@@ -60,6 +61,8 @@ class PeerRecord:
             record.rollback_to, record.rollback_at = int(record.rollback_to), int(record.rollback_at)
         except OverflowError:
             raise ValueError("peer record holds a non-finite count") from None
+        if not all(0 <= n < MAX_COUNT for n in (record.round, record.step)):
+            raise ValueError("peer record holds a round or step out of range")
         record.throughput, record.grad_norm, record.done_at = (float(record.throughput), float(record.grad_norm),
                                                                float(record.done_at))
         record.loss, record.loss_kind = float(record.loss), str(record.loss_kind)[:16]

@@ -93,17 +93,19 @@ def test_a_peer_record_that_claims_to_outlive_the_runs_lifetime_is_refused_once_
 
 
 def test_a_peer_record_with_an_endless_count_or_time_is_refused_and_the_read_goes_on(monkeypatch):
-    """A signed record with round = inf (msgpack carries it; int() overflows), a NaN heartbeat, or a NaN
-    expiration is dropped and counted; the other records of the read are answered."""
-    a, r, h, e = (Identity.generate() for _ in range(4))
+    """A signed record with round = inf (msgpack carries it; int() overflows) or 2^64 - 1 (msgpack's largest,
+    past any run's: the round after it fits no state request), a NaN heartbeat, or a NaN expiration is dropped and counted; the other records of
+    the read are answered."""
+    a, r, h, e, big = (Identity.generate() for _ in range(5))
     good = PeerRecord(a.peer_id, "a:1", state="training").__dict__
     monkeypatch.setattr(control_module, "get_dht_time", lambda: 100.0)
     dht = ThinDHT([[(a, good, 110.0), (r, {**PeerRecord(r.peer_id, "r:1").__dict__, "round": float("inf")}, 110.0),
                     (h, {**PeerRecord(h.peer_id, "h:1").__dict__, "heartbeat": float("nan")}, 110.0),
-                    (e, PeerRecord(e.peer_id, "e:1").__dict__, float("nan"))]])
+                    (e, PeerRecord(e.peer_id, "e:1").__dict__, float("nan")),
+                    (big, {**PeerRecord(big.peer_id, "big:1").__dict__, "round": 2 ** 64 - 1}, 110.0)]])
     control = ControlPlane(dht, Identity.generate(), "run")
     reports = []
     control.on_reject = lambda writer, reason: reports.append(writer)
     control.max_record_ttl_s = 10.0
     assert set(control.live_peers()) == {a.peer_id}
-    assert sorted(reports) == sorted([r.peer_id, h.peer_id, e.peer_id])
+    assert sorted(reports) == sorted([r.peer_id, h.peer_id, e.peer_id, big.peer_id])

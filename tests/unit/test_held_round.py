@@ -8,21 +8,28 @@ import socket
 import pytest
 import torch
 
+from lowcomm.proto import wire_pb2
 from lowcomm.runtime.state_transfer import StateHolder, download_state, encode_state, held_round
 from lowcomm.transport.service import PeerService
 from lowcomm.transport.wire import Channels, Traffic, start_server
 
 
 @pytest.fixture
-def holder():
+def served():
     traffic, channels = Traffic(), Channels(1 << 20)
     service = PeerService("holder", traffic, channels)
-    holder = StateHolder("r", 1 << 20)
-    service.state_handler = holder.serve
     server, port = start_server(service, "127.0.0.1", 0, 1 << 20, max_workers=4)
-    yield holder, f"127.0.0.1:{port}", channels
+    yield service, f"127.0.0.1:{port}", channels
     server.stop(grace=None)
     channels.close()
+
+
+@pytest.fixture
+def holder(served):
+    service, endpoint, channels = served
+    holder = StateHolder("r", 1 << 20)
+    service.state_handler = holder.serve
+    return holder, endpoint, channels
 
 
 def snapshot(round_: int):
@@ -48,3 +55,10 @@ def test_a_holder_of_another_run_or_none_at_all_says_nothing(holder):
         s.bind(("127.0.0.1", 0))
         dead = f"127.0.0.1:{s.getsockname()[1]}"
     assert held_round(channels, Traffic(), dead, "r", "joiner", timeout=2.0) is None
+
+
+def test_a_round_no_run_reaches_is_refused(served):
+    service, endpoint, channels = served
+    service.state_handler = lambda request, context: iter([wire_pb2.StateChunk(error="state at round ...",
+                                                                               round=2 ** 64 - 1)])
+    assert held_round(channels, Traffic(), endpoint, "r", "joiner", timeout=5.0) is None
