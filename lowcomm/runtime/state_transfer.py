@@ -25,11 +25,12 @@ from safetensors.torch import save as st_save
 from lowcomm.algorithms.state import tensors_hash
 from lowcomm.compress.finite import all_finite
 from lowcomm.proto import wire_pb2
+from lowcomm.transport.peer_record import MAX_COUNT
 from lowcomm.transport.wire import Channels, Traffic, WireError, assemble, slices
 
 
 PHI_PREFIXES = ("phi.", "param.")  # φ of the round-based algorithms; the parameters of ddp and DeMo
-PROBE_ROUND = 1 << 62  # a round no holder reaches: its answer says the round held (`held_round`)
+PROBE_ROUND = MAX_COUNT  # a round no holder reaches (none past it is any run's): its answer says the round held
 MAX_STATE_WAIT_S = 120.0  # the longest a GetState call waits for the requested round
 WAIT_SLICE_S = 1.0  # a waiting server thread looks at its call's state at least this often
 
