@@ -2,14 +2,16 @@
 through the coordinator's multiaddr, and the project's own gRPC stubs and message helpers.
 
 It knows only what anyone may read: the coordinator's join information (``coordinator.json`` of a
-simulate run), the peer records, manifests and φ votes in the DHT, and a state any peer serves.
+simulate run), the peer records and φ votes in the DHT, the manifests any peer serves (`GetPost`), and
+a state any peer serves.
 Each attack is one function that returns what the swarm answered (one dict per message sent):
 
 - ``forged_parts``: a Reduce part under another member's id (signed with the outsider's key, and
   unsigned), weight 1e12, every value 1.0;
 - ``outsider_parts``: a part the outsider signs as itself for a round it is not a member of (its
   stand-in for a relabelled replay: it never captured a member's part);
-- ``outsider_manifests``: manifests of the coming rounds naming the outsider the only owner;
+- ``outsider_manifests``: manifests of the coming rounds naming the outsider the only owner, stored
+  and posted to the members;
 - ``sybil_records``: fresh keys voting a φ hash of their own and publishing "training" records that
   point at the outsider's endpoint, which serves a poisoned state;
 - ``bomb_parts``: a zstd frame declaring 2**28 codes, sent as a Reduce part;
@@ -45,6 +47,7 @@ from lowcomm.runtime.state_transfer import StateHolder, download_state, encode_s
 from lowcomm.transport.control import ControlPlane, PeerRecord
 from lowcomm.transport.identity import Identity
 from lowcomm.transport.record_signing import SignedRecords
+from lowcomm.transport.round_posts import MANIFEST, post_request
 from lowcomm.transport.service import PeerService
 from lowcomm.transport.signing import Signer, digest
 from lowcomm.transport.wire import Channels, Traffic, start_server
@@ -112,16 +115,32 @@ class Outsider:
         return {p: r for p, r in self.control.live_peers().items() if p not in self.ids and r.state == "training"}
 
     def newest_manifest(self) -> dict | None:
-        """The manifest of the newest round a training peer reached (its lowest-id writer's), or of the one before."""
+        """The manifest of the newest round the training peers wrote one of (its lowest-id writer's), from
+        the round before their records' newest on: asked of them (`GetPost` answers anyone with a peer's
+        own posts; a manifest reaches the DHT only where a post did not arrive) and read from the DHT."""
         records = self.honest_records()
         if not records:
             return None
-        newest = max(r.round for r in records.values())
-        for round_ in (newest, newest - 1):
-            written = {w: m for w, m in self.control.manifests(GROUP, round_).items() if w not in self.ids}
+        newest, found = max(r.round for r in records.values()), None
+        for round_ in range(max(newest - 1, 0), newest + 64):  # a record's round may be a few rounds old: up to the last
+            written = self._manifests(records, round_)
             if written:
-                return written[min(written)]
-        return None
+                found = written[min(written)]
+            elif found is not None or round_ > newest + 1:
+                break
+        return found
+
+    def _manifests(self, records: dict[str, PeerRecord], round_: int) -> dict[str, dict]:
+        out = {w: m for w, m in self.control.manifests(GROUP, round_).items() if w not in self.ids}
+        for peer_id, record in sorted(records.items()):
+            request = wire_pb2.PostRequest(run=self.run, group=GROUP, round=round_, kind=MANIFEST)
+            try:
+                reply = self.channels.stub(record.endpoint).GetPost(request, timeout=CALL_S)
+            except grpc.RpcError:
+                continue
+            if reply.sender == peer_id:
+                out.update(self.control.parse_manifests({peer_id: json.loads(reply.value)}))
+        return out
 
     def copy_state(self, endpoint: str) -> int:
         """Downloads a peer's state (anyone may) and keeps it with φ poisoned; the number of φ values."""
@@ -224,7 +243,8 @@ def bomb_parts(outsider: Outsider, manifest: dict) -> list[dict]:
 
 
 def outsider_manifests(outsider: Outsider, manifest: dict, ahead: int = 3) -> list[dict]:
-    """Manifests of the next ``ahead`` rounds, written by the outsider, naming itself the only owner."""
+    """Manifests of the next ``ahead`` rounds, written by the outsider, naming itself the only owner: stored
+    in the DHT and posted to every member, signed by the outsider (a round's leader posts its manifest)."""
     me = outsider.identity.peer_id
     members = sorted({me, *manifest["members"]})
     endpoints = {**manifest["endpoints"], me: outsider.endpoint}
@@ -234,6 +254,15 @@ def outsider_manifests(outsider: Outsider, manifest: dict, ahead: int = 3) -> li
                   "endpoints": {m: endpoints[m] for m in members}, "owners": [me], "contributors": []}
         outsider.control.publish_manifest(GROUP, round_, forged, ttl=120.0)
         out.append({"attack": "manifest", "round": round_, "status": "PUBLISHED"})
+        post = post_request(outsider.signer, outsider.run, MANIFEST, GROUP, round_,
+                            outsider.control.manifest_record(forged))
+        for member in manifest["members"]:
+            try:
+                outsider.channels.stub(manifest["endpoints"][member]).Wake(post, timeout=CALL_S)
+                status = "POSTED"
+            except grpc.RpcError as e:
+                status = e.code().name
+            out.append({"attack": "manifest", "round": round_, "member": member, "status": status})
     return out
 
 

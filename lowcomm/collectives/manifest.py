@@ -1,9 +1,9 @@
 """Round membership: peers announce for a round in the DHT and follow one manifest written by a leader.
 
-A writer also posts its announcement and manifest to the peers that wait on them (transport.round_posts);
-waits read the posts when woken and the DHT seldom (collectives.round_reads). With `sync.max_contributors`
-= G > 0, only the first G members in the order of sha256(run ‖ group ‖ round ‖ peer id) (a rotation
-across rounds) send contributions; the others receive the aggregate without adding to it.
+A writer posts its announcement and manifest to the peers that wait on them (transport.round_posts) and
+stores them only where a post did not arrive (Decisions 34, 59); waits read the posts when woken and the
+DHT seldom (collectives.round_reads). With `sync.max_contributors` = G > 0, only the first G members in
+the order of sha256(run ‖ group ‖ round ‖ peer id) (a rotation across rounds) send contributions.
 
 The leader is the lowest peer id among the announcers that reached the round, the members of the
 previous manifest first; if its manifest does not appear within `manifest_s`, the next candidate
@@ -17,9 +17,8 @@ lowest-id writer. A manifest fixes the ordered member list, which members own a 
 peers own none), and how many consecutive rounds it covers (a membership epoch, so per-step
 algorithms do not touch the DHT every step).
 
-``admits(peer_id)`` (the run's mode, runtime.admission) says who may be a member at all: the leader
-leaves those it refuses out, they are never candidate leaders nor waited for, and a manifest written
-by or naming one is refused (each a `reject` event).
+``admits(peer_id)`` (the run's mode, runtime.admission) says who may be a member at all: the leader leaves
+the others out, they are never candidates nor waited for, and a manifest by or naming one is refused.
 
 With ``quorum`` (training peers; collectives.quorum, Decision 27) a peer cut off from the swarm fails
 the round (after `quorum_wait_s`, withdrawing its announcement) instead of training alone on its own φ.
@@ -53,11 +52,10 @@ class ManifestAgreement:
     def __init__(self, control: ControlPlane, sync: SyncConfig, endpoint: str, client_mode: bool = False,
                  on_event=None, due_in_group: Callable[[str, PeerRecord], bool] | None = None,
                  admits: Callable[[str], bool] | None = None, quorum: bool = False, wakes: Wakes | None = None):
-        """`due_in_group(group, record)`: whether a live peer is expected in the group's rounds (pipelines:
-        only the replicas of the group's stage); by default every training or joining peer is.
-        `admits(peer_id)`: whether the run lets that peer be a member (default: everyone).
-        `quorum`: write and follow only manifests a majority of the previous members' live ones reached.
-        `wakes`: what waits end on (default: a poll every POLL_S, nobody woken)."""
+        """`due_in_group(group, record)`: whether a live peer is expected in the group's rounds (default: every
+        training or joining one; pipelines: the replicas of the group's stage). `admits(peer_id)`: whether the
+        run lets that peer be a member (default: everyone). `quorum`: write and follow only manifests a majority
+        of the previous members' live ones reached. `wakes`: what waits end on (default: a POLL_S poll)."""
         self.wakes = wakes or Wakes.polling(POLL_S)
         self.control, self.sync, self.quorum = control, sync, quorum
         self.admits = admits or (lambda peer_id: True)
@@ -166,9 +164,7 @@ class ManifestAgreement:
         this peer cannot be dialled (client mode: nobody can pull it), or where no coordinator is in the
         run (a download's check then takes the majority of every stored vote) (Decision 39)."""
         records = self.reads.live(cached=True)
-        endpoints = [rec.endpoint for p, rec in records.items() if p != self.me and self.admits(p)
-                     and ((rec.state in ("training", "joining") and self.due_in_group(group, rec))
-                          or rec.state in ("coordinator", "holder"))]
+        endpoints = [rec.endpoint for rec in self._watchers(group, records)]
         endpoints += [e for p, e in self._endpoints.get(group, {}).items() if p != self.me]
         coordinated = any(rec.state == "coordinator" for rec in records.values())
         self.wakes.publish(endpoints if self.wakes.posting else [], VOTE, group, round_,
@@ -176,9 +172,11 @@ class ManifestAgreement:
                            store=lambda: self.control.publish_phi_hash(group, round_, phi_hash, ttl),
                            posted_only=coordinated and not self.client_mode)
 
-    def votes(self, group: str, round_: int, voters=frozenset(), fresh: bool = False) -> dict[str, str]:
-        """peer -> its φ hash of ``round_`` (round_reads.RoundReads.votes)."""
-        return self.reads.votes(group, round_, voters, fresh)
+    def _watchers(self, group: str, records: dict[str, PeerRecord]) -> list[PeerRecord]:
+        """Of ``records``, the other peers due in the group's rounds, and the coordinator (its anchors)."""
+        return [rec for p, rec in records.items() if p != self.me and self.admits(p)
+                and ((rec.state in ("training", "joining") and self.due_in_group(group, rec))
+                     or rec.state in ("coordinator", "holder"))]
 
     def withdraw(self, group: str, round_: int) -> None:
         """Takes back an announcement ahead (a peer leaving): no manifest written after this counts it."""
@@ -233,11 +231,15 @@ class ManifestAgreement:
             turn = int((now - started) // self.sync.manifest_s)
             fallback = frozenset(order[first_outside:turn + 1])
             may_write = mine is not None and turn >= mine and not published and now - checked >= QUORUM_POLL_S
-            manifests = self.reads.manifests(group, round_, fresh=may_write)  # a writer looks in the DHT first
+            # a writer looks in the DHT first; not the first candidate once every due peer reached the round
+            manifests = self.reads.manifests(group, round_, fresh=may_write and self.me not in settled)
             if manifests and self._pick(manifests, group, round_, fallback) is not None:
                 return self._follow(manifests, group, round_, fallback, settled)
             if turn >= len(order) and (short is None or now - started >= self.quorum_wait_s):
-                self._give_up(group, round_)
+                try:  # takes back its announcement: a later manifest must not name this peer as an owner
+                    self.withdraw(group, round_)
+                except Exception as e:  # the DHT may be out of reach (a cut-off peer): the record then expires
+                    logger.info("round %d: withdrawing the announcement failed: %s", round_, e)
                 raise CollectiveError(f"no manifest for round {round_} after {len(order)} candidate leaders"
                                       + (f": {short}" if short else ""))
             if may_write:
@@ -254,13 +256,6 @@ class ManifestAgreement:
                     logger.info("round %d: no manifest written: %s", round_, reason)
                 short = reason
             self.wakes.wait(group, round_, self.wakes.poll_s)
-
-    def _give_up(self, group: str, round_: int) -> None:
-        """Takes back the announcement of a round it fails: a later manifest must not name it as an owner."""
-        try:
-            self.withdraw(group, round_)
-        except Exception as e:  # the DHT may be out of reach (a cut-off peer): the record then expires
-            logger.info("round %d: withdrawing the announcement failed: %s", round_, e)
 
     @property
     def quorum_wait_s(self) -> float:
@@ -334,7 +329,7 @@ class ManifestAgreement:
         one exists: a stranger's does not end the wait, nor is it refused here (a fallback writer's counts
         later in `_agree`)."""
         trusted = self.trusted(group, round_)
-        manifests = {w: m for w, m in self.reads.manifests(group, round_, fresh).items()
+        manifests = {w: m for w, m in self.reads.manifests(group, round_, fresh, pull=trusted).items()
                      if trusted is None or w in trusted}
         return manifests, self._pick(manifests, group, round_) if manifests else None
 
@@ -347,26 +342,29 @@ class ManifestAgreement:
         return members
 
     def _publish(self, group, round_, epoch_rounds, codec, announcers, ttl) -> None:
-        """Writes the manifest (owners: members that reached the round) for the members and the coordinator."""
+        """Writes the manifest (owners: members that reached the round), posted to the members, the other due
+        peers (a late one's look) and the coordinator; stored only where a post did not arrive, or where a
+        recipient takes none (Decision 59)."""
         members = self._members(group, round_, announcers)
         owners = [p for p in members if not announcers[p].get("client_mode") and not announcers[p].get("ahead")]
         manifest = Manifest(self.control.run, group, round_, epoch_rounds, self.me, members,
                             {p: announcers[p]["endpoint"] for p in members}, owners, codec,
                             bounded_fan_in(self.control.run, group, round_, members, self.sync.max_contributors))
-        coordinator = [r.endpoint for r in self.reads.live(cached=True).values()
-                       if r.state in ("coordinator", "holder")]
+        due = [r for r in self._watchers(group, self.reads.live(cached=True)) if r.peer_id not in manifest.endpoints]
         if self.me not in (self.trusted(group, round_) or ()):  # a reader past the round may need to see why it counts
             self.control.announce(group, round_, announcers[self.me], self._ttl)
-        self.wakes.publish([manifest.endpoints[p] for p in members if p != self.me] + coordinator, MANIFEST, group,
-                           round_, self.control.manifest_record(manifest.to_dict()),
-                           store=lambda: self.control.publish_manifest(group, round_, manifest.to_dict(), ttl))
+        client = any(announcers[p].get("client_mode") for p in members) or any(r.client_mode for r in due)
+        self.wakes.publish([manifest.endpoints[p] for p in members if p != self.me] + [r.endpoint for r in due],
+                           MANIFEST, group, round_, self.control.manifest_record(manifest.to_dict()),
+                           store=lambda: self.control.publish_manifest(group, round_, manifest.to_dict(), ttl),
+                           posted_only=not client)
         logger.info("round %d: wrote the manifest for %d members", round_, len(members))
 
     def read(self, group: str, round_: int, fallback: bool = False, fresh: bool = True) -> Manifest | None:
         """The manifest every member of the round follows (this peer a member or not); None if none yet.
         With ``fallback`` (a reader that saw the run move past the round), a writer outside the previous
         members counts too if it announced that it reached the round (all previous members gone)."""
-        manifests = self.reads.manifests(group, round_, fresh=fresh)
+        manifests = self.reads.manifests(group, round_, fresh, pull=self.trusted(group, round_))
         if not manifests:
             return None
         outside = frozenset()

@@ -1,5 +1,6 @@
 """What agreement reads of a round (and the drift check of its φ votes): the records posted to this peer
-(transport.round_posts), the votes pulled from their voters (transport.post_pulls) and the DHT's.
+(transport.round_posts), the votes and manifests pulled from their writers (transport.post_pulls) and
+the DHT's.
 
 The posts are read at every look; the DHT when a look asks for it (``fresh``: before a round goes
 on without a peer, before this peer writes a manifest, a second look at racing manifests, a reader
@@ -37,6 +38,7 @@ from lowcomm.transport.round_posts import ANNOUNCE, MANIFEST, VOTE, merge_announ
 from lowcomm.transport.wakeups import Wakes
 
 POSTED_RECORDS_POLL_S = 30.0  # with posts: how old the live records a round's looks share may get
+PULLED_WRITERS = 3  # a fresh look at a round's manifests asks at most this many likely writers for theirs
 
 
 class RoundReads:
@@ -60,9 +62,21 @@ class RoundReads:
             return merge_announcements(self.control.announcers(group, round_), posted)
         return merge_announcements(posted)
 
-    def manifests(self, group: str, round_: int, fresh: bool = False) -> dict[str, dict]:
-        """writer -> its manifest of the round, posted or stored."""
+    def manifests(self, group: str, round_: int, fresh: bool = False, pull=False) -> dict[str, dict]:
+        """writer -> its manifest of the round, posted or stored. A ``fresh`` look with ``pull`` (the writers
+        whose manifest counts, or None: anyone's) first asks the PULLED_WRITERS lowest-id of them the live
+        records show able to lead it, below the lowest whose manifest is posted here, for their own
+        (transport.post_pulls): a manifest is stored only where a post of it did not arrive (Decision 59),
+        so a peer its writer did not know of when it posted has it from none but its writer."""
         posted = self.wakes.posted(MANIFEST, group, round_)
+        if fresh and pull is not False:
+            records = self.live(cached=True)
+            able = sorted(p for p, rec in records.items() if p != self.me and (pull is None or p in pull)
+                          and rec.state in ("training", "joining") and rec.endpoint and not rec.client_mode)
+            lowest = min((w for w in posted if pull is None or w in pull), default=None)
+            asked = [p for p in able if lowest is None or p < lowest][:PULLED_WRITERS]
+            if asked and self.wakes.pull(MANIFEST, group, round_, {p: records[p].endpoint for p in asked}):
+                posted = self.wakes.posted(MANIFEST, group, round_)
         out = self.control.parse_manifests(posted) if posted else {}
         if fresh or self.wakes.dht_due(MANIFEST, group, round_):
             out = {**out, **self.control.manifests(group, round_)}

@@ -344,5 +344,5 @@ class TrainingPeer:
             return
         self.ctx.log.event("fault_late", round=round_, hook=kind.value)
         deadline = time.monotonic() + LATE_HOOK_WAIT_S
-        while not self.ctx.control.manifests(self.key.group, round_) and time.monotonic() < deadline:
+        while not self.state.agreement.reads.manifests(self.key.group, round_) and time.monotonic() < deadline:
             self.ctx.stop.wait(0.1)

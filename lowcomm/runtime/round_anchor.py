@@ -195,7 +195,7 @@ class RoundFollower:
             late = first is not None and time.monotonic() - first >= self.settle_s
             # posted by the members; the DHT read at most once per poll until every member's is in, and once
             # more before the round is settled without one
-            votes = {p: h for p, h in self.agreement.votes(self.group, round_, members or (), fresh=late).items()
+            votes = {p: h for p, h in self.agreement.reads.votes(self.group, round_, members or (), fresh=late).items()
                      if p in (members or ())}
             if not votes and newest < round_:
                 return settled  # round - 1 is not applied anywhere yet

@@ -288,7 +288,7 @@ class StateSync:
     def _votes(self, group: str, round_: int, voters, fresh: bool = False) -> dict[str, str]:
         """The φ votes of ``round_``: posted ones first (the DHT at its poll), or the DHT's at every look."""
         if self.agreement is not None:
-            return self.agreement.votes(group, round_, voters, fresh)
+            return self.agreement.reads.votes(group, round_, voters, fresh)
         return self.ctx.control.phi_hashes(group, round_)
 
     def _end(self, step: int, event: str, round_: int) -> None:

@@ -32,10 +32,6 @@ def print_status(coordinators: list[str], run: str) -> int:
                   f"{now - p.heartbeat:>4.0f}s  {p.endpoint}{' (client mode)' if p.client_mode else ''}")
         if any(p.loss_kind == "train" for p in peers.values()):
             print("loss: the latest held-out loss; * marks a training loss (no held-out evaluation yet)")
-        newest = max((p.round for p in peers.values()), default=0)
-        for round_ in range(max(0, newest - 2), newest + 1):
-            for writer, manifest in control.manifests("0-0", round_).items():
-                print(f"round {round_}: leader {writer}, {len(manifest['members'])} members")
     finally:
         control.shutdown()
     return 0

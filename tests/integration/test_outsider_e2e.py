@@ -83,7 +83,7 @@ def test_outsiders_are_refused_by_a_live_swarm_and_change_nothing(tmp_path):
     assert all("not the key of" in a["error"] for a in refused if a["attack"] == "forged" and a["signed"])
     assert all("no usable public key" in a["error"] for a in refused if a["attack"] == "forged" and not a["signed"])
     # a non-member's part is refused as such, or, sent for a round its owner has passed, as stale (the
-    # outsider reads the rounds from the DHT, behind the swarm); the `reject` events below show the former
+    # outsider's view of the rounds is behind the swarm); the `reject` events below show the former
     assert all("is not a member" in a["error"] or a["error"].startswith("stale round")
                for a in refused if a["attack"] == "nonmember"), [a for a in refused if a["attack"] == "nonmember"]
     assert all("too far ahead" in a["error"] for a in refused if a["attack"] == "flood" and a["far"])

@@ -143,7 +143,7 @@ def test_a_vote_is_posted_to_the_due_peers_and_the_coordinator_and_stored_only_w
     agreement.publish_vote("0-0", 5, "h5", 60)
     assert sender.posted == [({"b:1", "coord:1"}, VOTE, {"peer_id": me, "hash": "h5"})]
     assert ("phi", "0-0", 5) not in store  # a peer that joined since pulls it from this one (Decision 39)
-    assert agreement.votes("0-0", 5, {me}) == {me: "h5"}  # its own vote, kept among its posts
+    assert agreement.reads.votes("0-0", 5, {me}) == {me: "h5"}  # its own vote, kept among its posts
     lost, _, lost_me = posting_peer(dict(live), store, fail=True)  # its post does not arrive: stored
     lost.publish_vote("0-0", 6, "h6", 60)
     assert store[("phi", "0-0", 6)] == {lost_me: "h6"}
@@ -221,3 +221,33 @@ def test_a_stalled_read_of_the_records_does_not_hold_back_the_rounds_announcemen
     control.released.set()
     announcing.join(WAIT_S)
     assert not announcing.is_alive() and sender.woken[-1] == {"c:1"}  # c, which the read adds, too
+
+
+def test_a_manifest_is_posted_to_the_members_the_due_peers_and_the_coordinator_and_stored_only_where_a_post_cannot_reach():
+    live = {"b": PeerRecord("b", "b:1", state="training", round=5),
+            "late": PeerRecord("late", "late:1", state="training", round=4),  # due, not announced: its look
+            "coord": PeerRecord("coord", "coord:1", state="coordinator"),
+            "gone": PeerRecord("gone", "gone:1", state="leaving", round=5)}
+
+    def publish(agreement, me, members_client_mode=False):
+        announcers = {me: {"endpoint": "me:1", "client_mode": False},
+                      "b": {"endpoint": "b:1", "client_mode": members_client_mode}}
+        agreement._publish("0-0", 5, 1, "fp32", announcers, 60)
+
+    store = {}
+    agreement, sender, me = posting_peer(dict(live), store)
+    publish(agreement, me)
+    posted_to, kind, manifest = sender.posted[-1]
+    assert (posted_to, kind) == ({"b:1", "late:1", "coord:1"}, "manifest") and manifest["members"] == sorted([me, "b"])
+    assert ("manifest", "0-0", 5) not in store  # a peer it did not know of pulls it (round_reads.manifests)
+    assert set(agreement.wakes.posted("manifest", "0-0", 5)) == {me}  # its own, kept among its posts
+    lost, _, lost_me = posting_peer(dict(live), store, fail=True)  # its post does not arrive: stored
+    publish(lost, lost_me)
+    assert set(store.pop(("manifest", "0-0", 5))) == {lost_me}
+    client_member, _, client_me = posting_peer(dict(live), store)  # a member nobody can post to
+    publish(client_member, client_me, members_client_mode=True)
+    assert set(store.pop(("manifest", "0-0", 5))) == {client_me}
+    client_due = {**live, "late": PeerRecord("late", "late:1", state="training", round=4, client_mode=True)}
+    beside, _, beside_me = posting_peer(client_due, store)  # a due peer that takes no posts
+    publish(beside, beside_me)
+    assert set(store.pop(("manifest", "0-0", 5))) == {beside_me}

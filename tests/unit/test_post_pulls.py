@@ -2,11 +2,13 @@
 that no post reached asks the voters it misses for their own signed votes over real gRPC servers and
 reads no DHT once they are in; a forged, relabelled, foreign or empty answer, and a dead voter, leave
 the voter missing (the DHT is read for it); a hostile request is answered empty, or refused and
-counted when malformed."""
+counted when malformed. A round's manifest, posted and not stored (Decision 59), is pulled the same
+way by a fresh look from the lowest-id writers that could lead the round."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 
 import grpc
 import pytest
@@ -16,12 +18,12 @@ from hypothesis import strategies as st
 from lowcomm.collectives.round_reads import RoundReads
 from lowcomm.proto import wire_pb2, wire_pb2_grpc
 from lowcomm.transport.control import PeerRecord
-from lowcomm.transport.round_posts import ANNOUNCE, VOTE, RoundPosts, post_request
+from lowcomm.transport.round_posts import ANNOUNCE, MANIFEST, VOTE, RoundPosts, post_request
 from lowcomm.transport.signing import Signer
 from lowcomm.transport.wakeups import MAX_GROUP_CHARS, Wakes, WakeSender, Wakeups
 from lowcomm.transport.wire import Channels, Traffic
 from rpc_fuzz import WatchedService, fuzz_settings, served
-from unit.test_round_posts import CountedControl
+from unit.test_round_posts import CountedControl, PostingControl
 
 NEVER_S = 3600.0  # no poll comes within the test: a look pulls only when it is `fresh`
 
@@ -160,3 +162,41 @@ def test_hostile_get_post_requests_are_answered_empty_or_refused(signers):
                 assert (reply.sender == alice.peer_id) if ours else reply == wire_pb2.WakeRequest()
 
         check()
+
+
+def test_a_manifest_no_post_brought_is_pulled_from_the_lowest_writers_that_could_lead_and_a_dead_one_is_read(signers):
+    low, mid, high = sorted(signers, key=lambda s: s.peer_id)
+    with contextlib.ExitStack() as stack:
+        ends = {}
+        for signer in (low, mid, high):  # each wrote a manifest of round 3 (racing leaders)
+            service, ends[signer.peer_id] = voter(signer, stack)
+            manifest = json.dumps({"leader": signer.peer_id})
+            Wakes(Wakeups(), None, NEVER_S, posts=service.posts, signer=signer).publish(
+                [], MANIFEST, "0-0", 3, {"peer_id": signer.peer_id, "manifest": manifest})
+        live = {p: PeerRecord(p, e, state="training") for p, e in ends.items()}
+
+        def look(live, store=None, pull=False, fresh=True, posted=()):
+            channels = Channels(1 << 20)
+            stack.callback(channels.close)
+            posts, control = RoundPosts("run"), PostingControl("reader", store or {}, live)
+            for writer in posted:  # what a post brought here
+                posts.accept(post_request(writer, "run", MANIFEST, "0-0", 3, {
+                    "peer_id": writer.peer_id, "manifest": json.dumps({"leader": writer.peer_id})}))
+            wakes = Wakes(Wakeups(), WakeSender(channels, Traffic(None)), NEVER_S, posts=posts,
+                          signer=Signer.generate(), dht_poll_s=NEVER_S)
+            return set(RoundReads(control, wakes).manifests("0-0", 3, fresh, pull)), control
+
+        assert look(live, pull=None, fresh=False)[0] == set()  # not a fresh look: nothing asked
+        assert look(live)[0] == set()  # nothing to pull from (pull False): the DHT alone
+        assert look(live, pull=None)[0] == {low.peer_id, mid.peer_id, high.peer_id}  # anyone's counts
+        assert look(live, pull=frozenset({mid.peer_id, high.peer_id}))[0] == {mid.peer_id, high.peer_id}
+        # one lower than every posted one is asked; a higher one would not lead the round
+        assert look(live, pull=None, posted=[mid])[0] == {low.peer_id, mid.peer_id}
+        client = {**live, low.peer_id: PeerRecord(low.peer_id, ends[low.peer_id], state="training", client_mode=True)}
+        assert look(client, pull=None)[0] == {mid.peer_id, high.peer_id}  # a client-mode peer cannot be dialled
+        # a dead writer (nobody listens) costs its timeout; its manifest is read from the DHT, where it was stored
+        dead = {**live, low.peer_id: PeerRecord(low.peer_id, "127.0.0.1:1", state="training")}
+        stored = {("manifest", "0-0", 3): {low.peer_id: {"peer_id": low.peer_id,
+                                                         "manifest": json.dumps({"leader": low.peer_id})}}}
+        found, control = look(dead, stored, pull=frozenset({low.peer_id}))
+        assert found == {low.peer_id} and control.reads["manifest"] == 1
