@@ -127,6 +127,7 @@ class StateSync:
         deadline = time.monotonic() + (FETCH_DEADLINE_S if min_round is None else resync_deadline_s(self.config.sync))
         empty_since, failures = None, 0
         refused: set[str] = set()  # sources whose state was refused: another one is tried
+        missed: set[str] = set()  # sources that served no state (dead, busy, not at the round): others first
         unanchored: dict[str, int] = {}  # source -> its states whose round had no anchor yet
         while time.monotonic() < deadline and not ctx.stop.is_set():
             everyone = ctx.control.live_peers()
@@ -149,6 +150,8 @@ class StateSync:
             if trainers and max(r.round for r in trainers) == 0 and not min_round:
                 return False  # the run is in its first round: start from the shared seeded φ_0 and join it
             trainers = [r for r in trainers if r.peer_id in (prefer or ())] or trainers
+            # a killed peer's record lives on for up to its life (30 s): it costs one try, not one per pick
+            trainers = [r for r in trainers if r.peer_id not in missed] or trainers
             if trainers:
                 newest = max(r.round for r in trainers)
                 source = random.choice([r for r in trainers if r.round == newest])
@@ -168,6 +171,8 @@ class StateSync:
                 break
             else:
                 failures += 1
+                if source.peer_id not in unanchored:  # (a state whose round had no anchor yet is asked again)
+                    missed.add(source.peer_id)
         return False
 
     def _admitted(self, peer_id: str) -> bool:

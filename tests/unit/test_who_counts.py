@@ -30,7 +30,7 @@ from lowcomm.runtime.progress import Progress
 from lowcomm.runtime import round_anchor
 from lowcomm.runtime.round_anchor import Anchor, RoundFollower, publish_anchor, read_anchor
 from lowcomm.runtime.state_sync import StateSync
-from lowcomm.runtime.state_transfer import encode_state, state_phi_hash
+from lowcomm.runtime.state_transfer import StateError, encode_state, state_phi_hash
 from lowcomm.transport.control import PeerRecord
 from lowcomm.transport.wakeups import Wakes
 from unit.test_sharded_reduce import KEY, WAIT_S, Board, nodes, payload  # noqa: F401 (nodes: the fixture)
@@ -384,6 +384,31 @@ def test_a_source_that_keeps_serving_a_round_without_an_anchor_is_passed_over(mo
     assert sync.fetch(min_round=6)
     assert downloads == ["ahead:1", "ahead:1", "honest:1"] and sync.replica.round == 6
     assert "reject" not in [kind for kind, _ in events]
+
+
+def test_a_source_that_served_no_state_is_passed_over_while_another_is_listed(monkeypatch):
+    store = {}
+    live = {"coord": PeerRecord("coord", "coord:1", state="coordinator"),
+            "dead": PeerRecord("dead", "dead:1", state="training", round=5),  # killed: its record lives on
+            "alive": PeerRecord("alive", "alive:1", state="training", round=5)}
+    sync, events = state_sync("me", store, live)
+    publish_anchor(MemoryControl("coord", store, live), "0-0", Anchor(6, FakeReplica(1.0).phi_hash(), ("alive",)),
+                   60)
+    downloads = []
+
+    def download(channels, traffic, endpoint, run, me, target, **kw):
+        downloads.append(endpoint)
+        if endpoint == "dead:1":
+            raise StateError("state download from dead:1 failed: UNAVAILABLE")
+        return served(1.0, 6, sync.config)
+
+    monkeypatch.setattr("lowcomm.runtime.state_sync.random.choice", lambda seq: max(seq, key=lambda r: r.peer_id))
+    monkeypatch.setattr("lowcomm.runtime.state_sync.held_round", lambda *a, **kw: None)  # records are current
+    monkeypatch.setattr("lowcomm.runtime.state_sync.RETRY_S", 0.0)
+    monkeypatch.setattr("lowcomm.runtime.state_sync.FETCH_DEADLINE_S", 30.0)
+    monkeypatch.setattr("lowcomm.runtime.state_sync.download_state", download)
+    assert sync.fetch(min_round=6)
+    assert downloads == ["dead:1", "alive:1"] and sync.replica.round == 6  # the dead one cost one try
 
 
 def test_a_joiner_asks_for_the_round_after_the_one_its_source_holds_not_its_older_record(monkeypatch):
