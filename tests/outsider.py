@@ -122,7 +122,7 @@ class Outsider:
         if not records:
             return None
         newest, found = max(r.round for r in records.values()), None
-        for round_ in range(max(newest - 1, 0), newest + 64):  # a record's round may be a few rounds old: up to the last
+        for round_ in range(max(newest - 1, 0), newest + 64):  # a record's round may be rounds old: to the last
             written = self._manifests(records, round_)
             if written:
                 found = written[min(written)]

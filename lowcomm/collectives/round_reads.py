@@ -62,7 +62,8 @@ class RoundReads:
             return merge_announcements(self.control.announcers(group, round_), posted)
         return merge_announcements(posted)
 
-    def manifests(self, group: str, round_: int, fresh: bool = False, pull=False) -> dict[str, dict]:
+    def manifests(self, group: str, round_: int, fresh: bool = False,
+                  pull: frozenset[str] | None | bool = False) -> dict[str, dict]:
         """writer -> its manifest of the round, posted or stored. A ``fresh`` look with ``pull`` (the writers
         whose manifest counts, or None: anyone's) first asks the PULLED_WRITERS lowest-id of them the live
         records show able to lead it, below the lowest whose manifest is posted here, for their own

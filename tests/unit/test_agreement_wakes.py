@@ -4,7 +4,8 @@ wait on them; and the DHT reads a round costs a peer stay within a bound of the 
 wake (each other peer's announcement, the manifest) and a few of its own, not one per 50 ms. An
 announcement ahead reads no records; a φ vote is posted to the due peers, the members and the
 coordinator; a round's announcements are stored only where a post cannot reach (Decision 34), and
-reach the peers already known while a fresh read of the records is held (Decision 42)."""
+reach the peers already known while a fresh read of the records is held (Decision 42); so is its
+manifest, posted to the members, the other due peers and the coordinator (Decision 59)."""
 
 from __future__ import annotations
 
@@ -223,7 +224,7 @@ def test_a_stalled_read_of_the_records_does_not_hold_back_the_rounds_announcemen
     assert not announcing.is_alive() and sender.woken[-1] == {"c:1"}  # c, which the read adds, too
 
 
-def test_a_manifest_is_posted_to_the_members_the_due_peers_and_the_coordinator_and_stored_only_where_a_post_cannot_reach():
+def test_a_manifest_goes_to_the_members_due_peers_and_coordinator_stored_only_where_a_post_cannot_reach():
     live = {"b": PeerRecord("b", "b:1", state="training", round=5),
             "late": PeerRecord("late", "late:1", state="training", round=4),  # due, not announced: its look
             "coord": PeerRecord("coord", "coord:1", state="coordinator"),
