@@ -317,6 +317,16 @@ def served(value: float, round_: int, config: RunConfig):
                            data=snapshot.blob)
 
 
+def downloads_by(monkeypatch, download, held=None, **settings) -> None:
+    """``fetch`` downloads through ``download`` and probes a source's round as ``held`` (None: no answer, the
+    records are current); ``settings``: state_sync's module constants to set."""
+    monkeypatch.setattr("lowcomm.runtime.state_sync.held_round", lambda *a, **kw: held)
+    monkeypatch.setattr("lowcomm.runtime.state_sync.FETCH_DEADLINE_S", 30.0)
+    monkeypatch.setattr("lowcomm.runtime.state_sync.download_state", download)
+    for name, value in settings.items():
+        monkeypatch.setattr(f"lowcomm.runtime.state_sync.{name}", value)
+
+
 def test_a_source_whose_state_is_not_the_agreed_phi_is_refused_and_another_used(monkeypatch):
     store = {}
     live = {"coord": PeerRecord("coord", "coord:1", state="coordinator"),
@@ -327,11 +337,7 @@ def test_a_source_whose_state_is_not_the_agreed_phi_is_refused_and_another_used(
     publish_anchor(MemoryControl("coord", store, live), "0-0", Anchor(6, FakeReplica(1.0).phi_hash(), ("a", "good")),
                    60)
     values = {"bad:1": 666.0, "good:1": 1.0}
-    monkeypatch.setattr("lowcomm.runtime.state_sync.held_round", lambda *a, **kw: None)  # records are current
-    monkeypatch.setattr("lowcomm.runtime.state_sync.FETCH_DEADLINE_S", 30.0)
-    monkeypatch.setattr("lowcomm.runtime.state_sync.download_state",
-                        lambda channels, traffic, endpoint, run, me, target, **kw: served(values[endpoint], 6,
-                                                                                          sync.config))
+    downloads_by(monkeypatch, lambda channels, traffic, endpoint, *a, **kw: served(values[endpoint], 6, sync.config))
     assert sync.fetch(min_round=6, prefer=["bad"])
     assert torch.equal(sync.replica.w, torch.full((4,), 1.0))
     kinds = [(kind, f.get("source") or f.get("sender")) for kind, f in events]
@@ -354,10 +360,7 @@ def test_a_state_whose_round_is_not_anchored_yet_is_asked_again_not_refused(monk
                            Anchor(6, FakeReplica(1.0).phi_hash(), ("only",)), 60)
         return served(1.0, 6, sync.config)
 
-    monkeypatch.setattr("lowcomm.runtime.state_sync.held_round", lambda *a, **kw: None)  # records are current
-    monkeypatch.setattr("lowcomm.runtime.state_sync.ANCHOR_SLACK_S", 0.0)
-    monkeypatch.setattr("lowcomm.runtime.state_sync.FETCH_DEADLINE_S", 30.0)
-    monkeypatch.setattr("lowcomm.runtime.state_sync.download_state", download)
+    downloads_by(monkeypatch, download, ANCHOR_SLACK_S=0.0)
     assert sync.fetch(min_round=6)
     assert downloads == ["only:1", "only:1"] and torch.equal(sync.replica.w, torch.full((4,), 1.0))
     kinds = [kind for kind, _ in events]
@@ -377,10 +380,7 @@ def test_a_source_that_keeps_serving_a_round_without_an_anchor_is_passed_over(mo
         downloads.append(endpoint)
         return served(1.0, 91 if endpoint == "ahead:1" else 6, sync.config)
 
-    monkeypatch.setattr("lowcomm.runtime.state_sync.held_round", lambda *a, **kw: None)  # records are current
-    monkeypatch.setattr("lowcomm.runtime.state_sync.ANCHOR_SLACK_S", 0.0)
-    monkeypatch.setattr("lowcomm.runtime.state_sync.FETCH_DEADLINE_S", 30.0)
-    monkeypatch.setattr("lowcomm.runtime.state_sync.download_state", download)
+    downloads_by(monkeypatch, download, ANCHOR_SLACK_S=0.0)
     assert sync.fetch(min_round=6)
     assert downloads == ["ahead:1", "ahead:1", "honest:1"] and sync.replica.round == 6
     assert "reject" not in [kind for kind, _ in events]
@@ -403,10 +403,7 @@ def test_a_source_that_served_no_state_is_passed_over_while_another_is_listed(mo
         return served(1.0, 6, sync.config)
 
     monkeypatch.setattr("lowcomm.runtime.state_sync.random.choice", lambda seq: max(seq, key=lambda r: r.peer_id))
-    monkeypatch.setattr("lowcomm.runtime.state_sync.held_round", lambda *a, **kw: None)  # records are current
-    monkeypatch.setattr("lowcomm.runtime.state_sync.RETRY_S", 0.0)
-    monkeypatch.setattr("lowcomm.runtime.state_sync.FETCH_DEADLINE_S", 30.0)
-    monkeypatch.setattr("lowcomm.runtime.state_sync.download_state", download)
+    downloads_by(monkeypatch, download, RETRY_S=0.0)
     assert sync.fetch(min_round=6)
     assert downloads == ["dead:1", "alive:1"] and sync.replica.round == 6  # the dead one cost one try
 
@@ -424,10 +421,7 @@ def test_a_joiner_asks_for_the_round_after_the_one_its_source_holds_not_its_olde
         asked.append(target)
         return served(1.0, target, sync.config)  # the source holds it back until it reaches that round
 
-    monkeypatch.setattr("lowcomm.runtime.state_sync.held_round", lambda channels, traffic, endpoint, *a: 8)
-    monkeypatch.setattr("lowcomm.runtime.state_sync.ANCHOR_SLACK_S", 0.0)
-    monkeypatch.setattr("lowcomm.runtime.state_sync.FETCH_DEADLINE_S", 30.0)
-    monkeypatch.setattr("lowcomm.runtime.state_sync.download_state", download)
+    downloads_by(monkeypatch, download, held=8, ANCHOR_SLACK_S=0.0)
     assert sync.fetch()
     assert asked == [9] and sync.replica.round == 9  # the boundary after the source's round 8, not after 5
 
