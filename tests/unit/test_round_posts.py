@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import threading
 from collections import Counter
+from types import SimpleNamespace
 
 import grpc
 import pytest
 
 from lowcomm.collectives.config import SyncConfig
 from lowcomm.collectives.manifest import ManifestAgreement
+from lowcomm.proto import wire_pb2
 from lowcomm.transport import round_posts
 from lowcomm.transport.control import PeerRecord
 from lowcomm.collectives.round_reads import RoundReads
@@ -22,6 +24,7 @@ from lowcomm.transport.round_posts import (ANNOUNCE, MANIFEST, VOTE, PostRefused
                                            post_request)
 from lowcomm.transport.signing import Signer, sign_message
 from lowcomm.transport.wakeups import Wakes, Wakeups
+from lowcomm.transport.wire import Traffic
 from rpc_fuzz import WatchedService, served
 from unit.test_who_counts import MemoryControl
 
@@ -159,10 +162,17 @@ class PostingControl(MemoryControl):
 
 
 class Delivery:
-    """A WakeSender that hands each post to the receiver's RoundPosts and Wakeups (what the service does)."""
+    """A WakeSender that hands each post to the receiver's RoundPosts and Wakeups (what the service does),
+    and answers a pull (GetPost) with the peer's own post, as the service does."""
 
     def __init__(self, boards: dict[str, tuple[RoundPosts, Wakeups]]):
         self.boards = boards
+        self.channels, self.traffic = self, Traffic(None)
+
+    def stub(self, endpoint):
+        posts = self.boards[endpoint][0]
+        return SimpleNamespace(GetPost=lambda request, timeout: posts.own(request.kind, request.group, request.round)
+                               or wire_pb2.WakeRequest())
 
     def send(self, endpoints, request, on_failed=None):
         for endpoint in endpoints:
