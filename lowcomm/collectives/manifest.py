@@ -231,8 +231,9 @@ class ManifestAgreement:
             turn = int((now - started) // self.sync.manifest_s)
             fallback = frozenset(order[first_outside:turn + 1])
             may_write = mine is not None and turn >= mine and not published and now - checked >= QUORUM_POLL_S
-            # a writer looks in the DHT first; not the first candidate once every due peer reached the round
-            manifests = self.reads.manifests(group, round_, fresh=may_write and self.me not in settled)
+            # a writer looks first (the DHT, and the lower candidates' own posts: a late peer was posted none);
+            # not the first candidate once every due peer reached the round
+            manifests = self.reads.manifests(group, round_, may_write and self.me not in settled, pull=trusted)
             if manifests and self._pick(manifests, group, round_, fallback) is not None:
                 return self._follow(manifests, group, round_, fallback, settled)
             if turn >= len(order) and (short is None or now - started >= self.quorum_wait_s):
@@ -383,7 +384,8 @@ class ManifestAgreement:
         if manifest is None or manifest.leader not in settled:
             # A brief second look lets a lower-id leader's manifest that raced this one win everywhere.
             time.sleep(POLL_S * 2)
-            manifests = {**manifests, **self.reads.manifests(group, round_, fresh=True)}  # a thin read drops none
+            manifests = {**manifests, **self.reads.manifests(group, round_, fresh=True,  # a thin read drops none
+                                                             pull=self.trusted(group, round_))}
             manifest = self._pick(manifests, group, round_, fallback)
         if manifest is None:
             raise CollectiveError(f"round {round_}: every manifest that counts was malformed")

@@ -23,7 +23,7 @@ from lowcomm.algorithms.overlapped import Overlapped
 from lowcomm.collectives import round_reads
 from lowcomm.collectives.round_reads import POSTED_RECORDS_POLL_S
 from lowcomm.transport.control import PeerRecord
-from lowcomm.transport.round_posts import RoundPosts
+from lowcomm.transport.round_posts import MANIFEST, RoundPosts
 from lowcomm.transport.signing import Signer
 from lowcomm.transport.wakeups import POSTED_DHT_POLL_S, Wakes, Wakeups
 from unit.test_round_posts import Delivery, PostingControl
@@ -133,6 +133,33 @@ def test_a_peer_a_round_behind_learns_it_from_a_members_posted_announcement_of_t
     thread.join(WAIT_S)  # its announce_s and DHT poll never come: only b's post ends the wait
     assert outcome == {"not_in_round": members}
     assert not [f for kind, f in events[a] if kind == "timeout"]
+
+
+def test_a_peer_no_post_reached_pulls_the_manifest_its_leader_posted_before_it_writes_its_own(signers):
+    """Decision 59: a manifest reaches the DHT only where a post did not arrive, so a peer its leader did not
+    know of (a joiner the members' records predate) finds it by pulling it from the lower candidates."""
+    sync = SyncConfig(announce_s=0.3, manifest_s=NEVER_S)  # its wait for the others' announcements ends
+    ids, agreements, controls, store, events = swarm(signers, sync, poll_s=0.05)
+    a, b, c, d = ids
+    for agreement in agreements.values():
+        agreement.learn(GROUP, 4, ids)
+    members = [b, c, d]  # b led round 5 without a, and posted its manifest to c and d only
+    manifest = Manifest("run", GROUP, 5, 1, b, members, {p: f"{p}:1" for p in members}, members, "fp32")
+    record = controls[b].manifest_record(manifest.to_dict())
+    agreements[b].wakes.publish([f"{c}:1", f"{d}:1"], MANIFEST, GROUP, 5, record)
+    outcome = {}
+
+    def agree():
+        try:
+            agreements[a].agree(GROUP, 5, 1, "fp32")
+        except NotInRound as e:
+            outcome["not_in_round"] = e.manifest.members
+    thread = threading.Thread(target=agree)
+    thread.start()
+    thread.join(WAIT_S)
+    assert outcome == {"not_in_round": members}
+    assert not [key for key in store if key[0] == "manifest"]  # neither b's (posted only) nor one of a's
+    assert not [f for kind, f in events[a] if kind == "timeout" and f.get("stage") == "quorum"]
 
 
 @pytest.mark.parametrize("overlap", [False, True])
