@@ -108,6 +108,22 @@ def test_a_round_that_goes_on_without_a_peer_reads_the_records_fresh(signers):
     assert not [f for kind, f in events[a] if kind == "timeout" and f.get("stage") == "quorum"]
 
 
+def left_out(agreement: ManifestAgreement, round_: int) -> dict:
+    """What ``agreement.agree(round_)`` ends with, on a thread of its own (bounded by WAIT_S): the members of
+    the manifest it is not in ({"not_in_round": members}), or {} if it ended otherwise or not at all."""
+    outcome = {}
+
+    def agree():
+        try:
+            agreement.agree(GROUP, round_, 1, "fp32")
+        except NotInRound as e:
+            outcome["not_in_round"] = e.manifest.members
+    thread = threading.Thread(target=agree)
+    thread.start()
+    thread.join(WAIT_S)
+    return dict(outcome)
+
+
 def test_a_peer_a_round_behind_learns_it_from_a_members_posted_announcement_of_the_next_round(signers):
     sync = SyncConfig(announce_s=NEVER_S, manifest_s=NEVER_S)
     ids, agreements, controls, store, events = swarm(signers, sync, poll_s=0.05)
@@ -121,17 +137,8 @@ def test_a_peer_a_round_behind_learns_it_from_a_members_posted_announcement_of_t
     controls[b].publish_manifest(GROUP, 5, Manifest("run", GROUP, 5, 1, b, members, {p: f"{p}:1" for p in members},
                                                     members, "fp32").to_dict(), NEVER_S)
     agreements[b].announce(GROUP, 6, ahead=True)
-    outcome = {}
-
-    def agree():
-        try:
-            agreements[a].agree(GROUP, 5, 1, "fp32")
-        except NotInRound as e:
-            outcome["not_in_round"] = e.manifest.members
-    thread = threading.Thread(target=agree)
-    thread.start()
-    thread.join(WAIT_S)  # its announce_s and DHT poll never come: only b's post ends the wait
-    assert outcome == {"not_in_round": members}
+    # its announce_s and DHT poll never come: only b's post ends the wait
+    assert left_out(agreements[a], 5) == {"not_in_round": members}
     assert not [f for kind, f in events[a] if kind == "timeout"]
 
 
@@ -147,17 +154,7 @@ def test_a_peer_no_post_reached_pulls_the_manifest_its_leader_posted_before_it_w
     manifest = Manifest("run", GROUP, 5, 1, b, members, {p: f"{p}:1" for p in members}, members, "fp32")
     record = controls[b].manifest_record(manifest.to_dict())
     agreements[b].wakes.publish([f"{c}:1", f"{d}:1"], MANIFEST, GROUP, 5, record)
-    outcome = {}
-
-    def agree():
-        try:
-            agreements[a].agree(GROUP, 5, 1, "fp32")
-        except NotInRound as e:
-            outcome["not_in_round"] = e.manifest.members
-    thread = threading.Thread(target=agree)
-    thread.start()
-    thread.join(WAIT_S)
-    assert outcome == {"not_in_round": members}
+    assert left_out(agreements[a], 5) == {"not_in_round": members}
     assert not [key for key in store if key[0] == "manifest"]  # neither b's (posted only) nor one of a's
     assert not [f for kind, f in events[a] if kind == "timeout" and f.get("stage") == "quorum"]
 
