@@ -44,6 +44,7 @@ from lowcomm.transport.identity import Identity, owner_marker_from_text, peer_id
 from lowcomm.transport.round_posts import RoundPosts
 from lowcomm.transport.signing import Signer
 from lowcomm.transport.service import SERVER_THREADS, PeerService
+from lowcomm.transport.stats_pulls import StatsPost
 from lowcomm.transport.wakeups import POSTED_DHT_POLL_S, Wakes, WakeSender
 from lowcomm.transport.shaper import LinkShaper
 from lowcomm.transport.wire import Channels, Traffic, start_server
@@ -107,6 +108,7 @@ class PeerContext:
         self.service.state_handler = self.holder.serve
         self.wake_sender = WakeSender(self.channels, self.traffic)
         self.service.posts = RoundPosts(o.run_name, self.admission.admits)
+        self.service.stats_post = StatsPost(self.signer, o.run_name, self.stats.summary)  # pulled, Decision 60
 
     def _serve_metrics(self) -> None:
         """Prometheus /metrics on --metrics-host:--metrics-port (runtime.metrics); its URL in a `metrics` event."""

@@ -45,6 +45,7 @@ from lowcomm.transport.identity import Identity, KeyFileError
 from lowcomm.transport.round_posts import ANCHOR, RoundPosts, post_request
 from lowcomm.transport.service import PeerService
 from lowcomm.transport.signing import Signer
+from lowcomm.transport.stats_pulls import LiveStats
 from lowcomm.transport.wakeups import Wakes
 from lowcomm.transport.wire import Channels, Traffic, start_server
 
@@ -224,7 +225,8 @@ class Coordinator:
             return
         if self._budget is None:
             self._model_names()
-            self._budget = CheckpointBudget(self.config.checkpoint.max_share, lambda: self.control.live_stats(),
+            stats = LiveStats(self.control, self.channels, self.traffic)  # pulled from the peers (Decision 60)
+            self._budget = CheckpointBudget(self.config.checkpoint.max_share, lambda: stats(self.control.live_peers()),
                                             self.admission.admits, first_bytes=self._param_bytes,
                                             most_wait_s=max(self.config.checkpoint.every_s, 60.0))
         if not self._budget.allows():

@@ -2,9 +2,10 @@
 
 The record (transport.control.PeerRecord) says where the peer listens, what it does (`parked`,
 `joining`, `training`, `leaving`), its round, step and throughput; ``fill(record)`` (the owner's
-callback) refreshes the numbers before each publication. Every STATS_EVERY heartbeats' time, a
-thread of its own publishes the stats its records add up to (runtime.peer_stats), under their own
-key, for status pages. A record expires `sync.record_ttl_s`
+callback) refreshes the numbers before each publication. The stats its records add up to
+(runtime.peer_stats) are pulled from its data plane by whoever reads them (transport.stats_pulls,
+Decision 60); a peer in client mode, which nobody can dial, stores them in the DHT instead, every
+STATS_EVERY heartbeats' time on a thread of its own, under their own key. A record expires `sync.record_ttl_s`
 after its last heartbeat, so a killed peer vanishes by itself; a peer that leaves expires it at
 once and withdraws the round it announced ahead, so that round's leader need not wait for it.
 
@@ -49,8 +50,8 @@ class Membership:
         self._stop = threading.Event()
 
     def start_heartbeat(self) -> None:
-        """The record every heartbeat, the stats every STATS_EVERY-th, each on a thread of its own: a stats
-        store held up by a DHT node that does not answer never delays the record's refresh."""
+        """The record every heartbeat and, in client mode, the stats every STATS_EVERY-th, each on a thread
+        of its own: a stats store held up by a DHT node that does not answer never delays the record's refresh."""
         every = self.ctx.config.sync.heartbeat_s
 
         def beat():
@@ -63,7 +64,8 @@ class Membership:
                 self.publish_stats()
         self.publish()
         threading.Thread(target=beat, daemon=True, name="heartbeat").start()
-        threading.Thread(target=stats, daemon=True, name="stats").start()
+        if self.record.client_mode:  # the others pull theirs (transport.stats_pulls)
+            threading.Thread(target=stats, daemon=True, name="stats").start()
 
     def publish(self, beat: bool = False) -> None:
         """Stores the record; a quiet peer's heartbeat (``beat``) only when it must (the module says when)."""

@@ -1,8 +1,8 @@
 """What a status page shows of a run, kept in one `RunView` and fed by sources.
 
 - `DhtSource` reads the peers' DHT records (transport.control.PeerRecord, refreshed every heartbeat)
-  and the stats each peer publishes every few heartbeats (ControlPlane.live_stats): the
-  coordinator's page and `lowcomm observe`, which see only the DHT. A round is seen through its
+  and each live peer's stats, pulled from its data plane (transport.stats_pulls.LiveStats; from the
+  DHT for a peer in client mode): the coordinator's page and `lowcomm observe`. A round is seen through its
   members' `stats.last_round`, a held-out loss when a peer's changes, an event when a record appears
   (join), leaves (leave) or expires (gone), or a counter grows (reject, resync); so the page shows
   what the DHT says at each poll, and a round shorter than the stats' period may be missed.
@@ -169,16 +169,18 @@ class RunView:
 
 
 class DhtSource:
-    """The run's live peer records, read at each poll (`control`: a transport.control.ControlPlane)."""
+    """The run's live peer records, read at each poll (`control`: a transport.control.ControlPlane), and
+    their stats (``stats(records)``: peer id -> checked stats; by default the DHT's stats key)."""
 
-    def __init__(self, control, view: RunView):
+    def __init__(self, control, view: RunView, stats=None):
         self.control, self.view = control, view
+        self.stats = stats if stats is not None else lambda records: control.live_stats()
         self.live: set[str] = set()
         self.held_out: dict[str, float] = {}  # each peer's last held-out loss seen
 
     def poll(self) -> None:
         records = self.control.live_peers()
-        every_stats = self.control.live_stats()
+        every_stats = self.stats(records)
         now = time.time()
         with self.view.lock:
             view = self.view

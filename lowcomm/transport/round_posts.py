@@ -34,7 +34,8 @@ from lowcomm.transport.signing import Signer, Unauthenticated, Verifier, sign_me
 
 ANNOUNCE, MANIFEST, VOTE = "announce", "manifest", "phi"  # VOTE: a peer's φ hash of a round it applied
 ANCHOR = "anchor"  # the coordinator's anchor of a round (runtime.round_anchor): kept to be pulled, never pushed
-KINDS = (ANNOUNCE, MANIFEST, VOTE, ANCHOR)
+STATS = "stats"  # what a peer has done so far (transport.stats_pulls): pulled from it, never pushed or kept
+KINDS = (ANNOUNCE, MANIFEST, VOTE, ANCHOR, STATS)
 SIGNED_KIND = "round-post"  # what the signature's kind field says (transport.signing.signed_bytes)
 MAX_VALUE_BYTES = 256 * 1024  # a manifest of ~2,000 members
 MAX_POSTS_PER_ROUND = 4096
@@ -70,6 +71,28 @@ def post_request(signer: Signer, run: str, kind: str, group: str, round_: int, v
     return request
 
 
+def checked_record(verifier: Verifier, run: str, request) -> dict:
+    """The record a post carries, once its run, group, size, its writer's signature and the record's
+    ``peer_id`` check out; PostRefused says which did not. Whom the run admits is the caller's to check."""
+    if request.run != run:
+        raise PostRefused(f"a round post for run {request.run[:64]!r}, not this run")
+    if len(request.group) > MAX_GROUP_CHARS or not request.group.isprintable():
+        raise PostRefused(f"a round post's group is not a printable name of at most {MAX_GROUP_CHARS} characters")
+    if len(request.value) > MAX_VALUE_BYTES:
+        raise PostRefused(f"a round post of {len(request.value)} bytes (at most {MAX_VALUE_BYTES})")
+    try:
+        verify_message(verifier, SIGNED_KIND, request)
+    except Unauthenticated as e:
+        raise PostRefused(str(e)) from None
+    try:
+        value = json.loads(request.value)
+    except (UnicodeDecodeError, ValueError):
+        raise PostRefused("a round post whose record is not JSON") from None
+    if not isinstance(value, dict) or value.get("peer_id") != request.sender:
+        raise PostRefused("a round post whose record is not its sender's")
+    return value
+
+
 class RoundPosts:
     """The round records posted to this peer (and its own), by (kind, group, round) and writer."""
 
@@ -86,29 +109,16 @@ class RoundPosts:
 
     def accept(self, request, pulled: bool = False) -> tuple[str, int]:
         """Checks a posted record (``pulled``: one this peer asked its writer for) and keeps it; its (group,
-        round). PostRefused says why one is refused; an anchor is only taken pulled."""
+        round). PostRefused says why one is refused; an anchor is only taken pulled, stats never."""
         if request.kind not in KINDS:
             raise PostRefused(f"a round post of unknown kind {request.kind[:32]!r}")
         if request.kind == ANCHOR and not pulled:
             raise PostRefused("an anchor is pulled from the coordinator, never posted")
-        if request.run != self.run:
-            raise PostRefused(f"a round post for run {request.run[:64]!r}, not this run")
-        if len(request.group) > MAX_GROUP_CHARS or not request.group.isprintable():
-            raise PostRefused(f"a round post's group is not a printable name of at most {MAX_GROUP_CHARS} characters")
-        if len(request.value) > MAX_VALUE_BYTES:
-            raise PostRefused(f"a round post of {len(request.value)} bytes (at most {MAX_VALUE_BYTES})")
-        try:
-            verify_message(self.verifier, SIGNED_KIND, request)
-        except Unauthenticated as e:
-            raise PostRefused(str(e)) from None
+        if request.kind == STATS:
+            raise PostRefused("a peer's stats are pulled from it (transport.stats_pulls), never posted")
+        value = checked_record(self.verifier, self.run, request)
         if not self.admits(request.sender):
             raise PostRefused(f"a round post from {request.sender[:40]}, a peer the run does not admit")
-        try:
-            value = json.loads(request.value)
-        except (UnicodeDecodeError, ValueError):
-            raise PostRefused("a round post whose record is not JSON") from None
-        if not isinstance(value, dict) or value.get("peer_id") != request.sender:
-            raise PostRefused("a round post whose record is not its sender's")
         self.add(request.kind, request.group, request.round, request.sender, value)
         return request.group, request.round
 

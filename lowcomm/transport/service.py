@@ -26,6 +26,8 @@ cap) ends its call the same way.
 
 GetPost answers with this peer's own signed round post (transport.post_pulls), or an empty one: it
 holds no place among the waiting calls, as nothing waits, and a reader checks the answer as a post.
+Asked for kind `stats`, it answers with this peer's stats signed by `stats_post`
+(transport.stats_pulls), which signs anew at most once a second however often it is asked.
 
 A bare Wake (transport.wakeups) is a hint with nothing to trust in it: a malformed one is refused and
 counted, a well-formed one at most makes a waiting agreement read the DHT sooner. A Wake that carries
@@ -48,7 +50,7 @@ import grpc
 
 from lowcomm.proto import wire_pb2, wire_pb2_grpc
 from lowcomm.transport.addresses import ip_of, join_host_port, split_endpoint
-from lowcomm.transport.round_posts import KINDS, PostRefused, RoundPosts
+from lowcomm.transport.round_posts import KINDS, STATS, PostRefused, RoundPosts
 from lowcomm.transport.wakeups import Wakeups, valid_wake
 from lowcomm.transport.wire import Channels, Traffic, context_deadline, deadline_after
 
@@ -126,6 +128,7 @@ class PeerService(wire_pb2_grpc.PeerServicer):
         self.on_error: Callable[[str, str], None] | None = None
         self.wakeups = Wakeups()  # what agreement waits on (transport.wakeups)
         self.posts: RoundPosts | None = None  # the round records posted here (transport.round_posts)
+        self.stats_post: Callable[[str], wire_pb2.WakeRequest | None] | None = None  # run -> signed stats
 
     @property
     def errors(self) -> int:
@@ -322,8 +325,13 @@ class PeerService(wire_pb2_grpc.PeerServicer):
         if refused is not None:
             self._failed("GetPost", ValueError(refused), context)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused)
-        own = self.posts.own(request.kind, request.group, request.round) if self.posts is not None else None
-        reply = own if own is not None and request.run == self.posts.run else wire_pb2.WakeRequest()
+        if request.kind == STATS:
+            own = self.stats_post(request.run) if self.stats_post is not None else None
+        elif self.posts is not None and request.run == self.posts.run:
+            own = self.posts.own(request.kind, request.group, request.round)
+        else:
+            own = None
+        reply = own if own is not None else wire_pb2.WakeRequest()
         self.traffic.count_sent(reply, deadline)
         return reply
 

@@ -23,7 +23,7 @@ class Clock:
 
 
 class Stats:
-    """live_stats() as the DHT would answer it; counts the reads."""
+    """The peers' stats as a read answers them (the pulls, or the DHT's); counts the reads."""
 
     def __init__(self):
         self.sent: dict[str, int] = {}
@@ -85,8 +85,11 @@ def test_the_coordinator_asks_no_peer_for_its_state_until_the_budget_allows(tmp_
     stats = Stats()
     live = {"a": PeerRecord("a", "a:1", state="training", round=4)}
     coordinator = Coordinator(config, tmp_path)
-    coordinator.control = SimpleNamespace(live_peers=lambda: live, live_stats=stats)
+    coordinator.control = SimpleNamespace(live_peers=lambda: live)
     coordinator.channels = coordinator.traffic = None
+    pulled_for = []  # the records whose peers' stats were pulled (transport.stats_pulls.LiveStats)
+    monkeypatch.setattr("lowcomm.runtime.coordinator.LiveStats",
+                        lambda control, channels, traffic: lambda records: pulled_for.append(records) or stats())
     coordinator.follower = None  # no rounds to follow: only the checkpoint's own checks run
     asked = []
 
@@ -98,6 +101,7 @@ def test_the_coordinator_asks_no_peer_for_its_state_until_the_budget_allows(tmp_
     coordinator._maybe_checkpoint()
     first = coordinator._budget.next_bytes
     assert asked == [] and stats.reads == 1 and first > 0  # the model's fp32 parameters
+    assert pulled_for == [live]  # the stats of the live peers, pulled from them
     stats.sent = {"a": coordinator._budget.needed()}
     coordinator._budget._next_read = float("-inf")  # as if the projected read were due
     coordinator._maybe_checkpoint()

@@ -1,7 +1,8 @@
 """A quiet peer's heartbeat (runtime.membership): it stores its DHT record only when a field others act on
 changed (its round only when it leaves round 0) or half the record's lifetime passed; a stage peer's
-(not quiet) stores at every beat, and a state change is stored at once either way. A stats store that
-does not return never holds up the record's refresh."""
+(not quiet) stores at every beat, and a state change is stored at once either way. Only a peer in client
+mode stores its stats in the DHT (the others' are pulled), and a stats store that does not return never
+holds up the record's refresh."""
 
 from __future__ import annotations
 
@@ -81,10 +82,38 @@ def test_a_stats_store_that_does_not_return_never_holds_up_the_record(monkeypatc
     ctx = SimpleNamespace(config=SimpleNamespace(sync=sync), control=control,
                           stats=SimpleNamespace(summary=dict), options=SimpleNamespace(token=None, link=None),
                           log=SimpleNamespace(event=lambda *a, **k: None))
-    member = Membership(ctx, PeerRecord("p", "10.0.0.1:5000", state="training"))
+    member = Membership(ctx, PeerRecord("p", "10.0.0.1:5000", state="training", client_mode=True))
     threading.Thread(target=member.start_heartbeat, daemon=True).start()
     try:
         assert beats.wait(60.0)  # the record's stores go on while the stats store is held
     finally:
         member._stop.set()
         held.set()
+
+
+def test_only_a_peer_in_client_mode_stores_its_stats(monkeypatch):
+    """The others' stats are pulled from their data plane (transport.stats_pulls, Decision 60)."""
+    monkeypatch.setattr(membership, "STATS_EVERY", 1)
+    for client_mode in (False, True):
+        stats_stored, beats, stored = threading.Event(), threading.Event(), []
+
+        def publish_peer(record, ttl):
+            stored.append(record.round)
+            if len(stored) >= 3:
+                beats.set()
+
+        control = SimpleNamespace(publish_peer=publish_peer, publish_stats=lambda stats, ttl: stats_stored.set())
+        sync = SimpleNamespace(heartbeat_s=0.01, record_ttl_s=10.0)
+        ctx = SimpleNamespace(config=SimpleNamespace(sync=sync), control=control,
+                              stats=SimpleNamespace(summary=dict), options=SimpleNamespace(token=None, link=None),
+                              log=SimpleNamespace(event=lambda *a, **k: None))
+        member = Membership(ctx, PeerRecord("p", "10.0.0.1:5000", state="training", client_mode=client_mode))
+        member.start_heartbeat()  # a client-mode peer's first stats store is made as its thread starts
+        try:
+            assert beats.wait(60.0)
+            if client_mode:
+                assert stats_stored.wait(60.0)
+            else:
+                assert not stats_stored.is_set()
+        finally:
+            member._stop.set()
