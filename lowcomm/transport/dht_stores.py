@@ -3,18 +3,24 @@
 hivemind's store (``DHTNode.store_many``) first searches the key's nearest nodes with the call a read
 makes, and every node it asks answers with all of the key's records: of a store of one peer record
 into the run's peers key, most of the bytes are that download. A record is stored again under the
-same key every few seconds (a heartbeat, the stats) while the nodes nearest the key rarely change, so
+same key every few seconds (a heartbeat) while the nodes nearest the key rarely change, so
 the DHT's process remembers, per key, the nodes a search found, and stores the signed record straight
 to them (``DHTProtocol.call_store``), exactly as hivemind's store does once its search ends.
 
-It searches again when it remembers no nodes for the key, when they were found more than
-NEAREST_MAX_AGE_S ago (nodes that joined since may be nearer), when a search found fewer than
+It searches again when it remembers no nodes for the key, when they were found longer ago than it
+trusts them (nodes that joined since may be nearer), when a search found fewer than
 ``num_replicas`` (a DHT still filling: nothing is remembered then), and when one of them did not
 answer within DIRECT_CALL_S and no node but this one took the record: hivemind's store then runs, and
 the caller waits for it. When another node took it, the store returns: the nodes remembered for the
-key narrow to those that answered (until NEAREST_MAX_AGE_S), and hivemind's store, whose search finds
+key narrow to those that answered (while they are trusted), and hivemind's store, whose search finds
 a node in the silent one's place for this record, runs in the DHT's process meanwhile (Decision 44:
 a heartbeat held up by it can let the peer's record expire).
+
+The trust is earned (Decision 61): NEAREST_MAX_AGE_S after a search that found other nodes than the
+last one (or after none), twice the last trust after a search that found the same nodes, up to
+NEAREST_TRUSTED_S. A key whose nearest nodes stay put is searched every few minutes instead of every
+minute; one whose nodes move, or whose node went silent (its memory narrowed or forgotten), is back at
+a minute at once.
 
 Reads are hivemind's (merged from every node that holds the key): a node that missed stores while it
 was cut off would answer with records that have expired since (Decision 40). These functions run in
@@ -31,11 +37,13 @@ from hivemind.dht.node import DHTNode
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 
-NEAREST_MAX_AGE_S = 60.0  # how long the nodes found nearest a key are trusted without a new search
+NEAREST_MAX_AGE_S = 60.0  # how long the nodes a search found nearest a key are trusted, at first
+NEAREST_TRUSTED_S = 480.0  # ... and at most, once search after search found the same nodes
 DIRECT_CALL_S = 2.0  # a remembered node that has not answered a store by then counts as gone
 MAX_KEYS = 256  # keys whose nearest nodes are remembered (the oldest are forgotten first)
 
-_nearest: dict[DHTID, tuple[float, dict]] = {}  # key id -> (found at, {node id: peer id}), in the DHT's process
+_nearest: dict[DHTID, tuple[float, dict, float]] = {}  # key id -> (found at, {node id: peer id}, trusted for), in
+# the DHT's process
 _background: dict[DHTID, asyncio.Task] = {}  # key id -> hivemind's store of it, run without waiting (_in_background)
 
 
@@ -76,9 +84,9 @@ def _in_background(key_id: DHTID, store_call) -> None:
 
 
 def nearest(key_id: DHTID) -> dict:
-    """The nodes remembered nearest the key ({node id: peer id}), if found within NEAREST_MAX_AGE_S."""
+    """The nodes remembered nearest the key ({node id: peer id}), if found within the time they are trusted."""
     found = _nearest.get(key_id)
-    return {} if found is None or time.monotonic() - found[0] > NEAREST_MAX_AGE_S else found[1]
+    return {} if found is None or time.monotonic() - found[0] > found[2] else found[1]
 
 
 def forget(key_id: DHTID) -> None:
@@ -89,16 +97,20 @@ def keep(key_id: DHTID, answered: dict) -> None:
     """Narrows the nodes remembered for the key to those that ``answered``, found when they were."""
     found = _nearest.get(key_id)
     if found is not None:
-        _nearest[key_id] = (found[0], dict(answered))
+        _nearest[key_id] = (found[0], dict(answered), found[2])
 
 
 def remember(key_id: DHTID, nearest: dict, full: bool) -> None:
-    _nearest.pop(key_id, None)
+    """The nodes a search found nearest the key (``full``: as many as the key's replicas), trusted twice as
+    long as the last search's if that found the same nodes, else NEAREST_MAX_AGE_S."""
+    last = _nearest.pop(key_id, None)
     if not full:
         return
     while len(_nearest) >= MAX_KEYS:
         _nearest.pop(next(iter(_nearest)))
-    _nearest[key_id] = (time.monotonic(), dict(nearest))
+    same = last is not None and set(last[1]) == set(nearest)
+    trust = min(2 * last[2], NEAREST_TRUSTED_S) if same else NEAREST_MAX_AGE_S
+    _nearest[key_id] = (time.monotonic(), dict(nearest), trust)
 
 
 async def _store_to(node: DHTNode, key_id: DHTID, nearest: dict, subkey: bytes, value,
