@@ -7,8 +7,8 @@ the checkpoints' bytes within ``max_share`` of every byte of the run:
 
     downloaded + next <= max_share * (sent + downloaded + next)
 
-``sent``: the sum of what the peers say they sent in their stats records (`runtime.membership`;
-the data plane's bytes, checkpoints not among them). A peer's figure counts at its largest seen, so
+``sent``: the sum of what the peers say they sent in their stats, pulled from them
+(transport.stats_pulls; the data plane's bytes, checkpoints not among them). A peer's figure counts at its largest seen, so
 a peer that left keeps its part. ``next``: the last download's size, or the model's fp32 parameters
 before the first. The stats are a stranger's claim: a peer that inflates them makes the downloads
 come sooner, never sooner than `checkpoint.every_s` apart; one that shrinks its own only delays
@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-STATS_READ_S = 30.0  # the peers publish their stats every 15 heartbeats (runtime.membership.STATS_EVERY)
+STATS_READ_S = 30.0  # the least time between two reads (each pulls every live peer's stats)
 MAX_PEERS = 100_000  # peers whose largest figure is remembered
 
 
