@@ -8,12 +8,13 @@ the checkpoints' bytes within ``max_share`` of every byte of the run:
     downloaded + next <= max_share * (sent + downloaded + next)
 
 ``sent``: the sum of what the peers say they sent in their stats, pulled from them
-(transport.stats_pulls; the data plane's bytes, checkpoints not among them). A peer's figure counts at its largest seen, so
-a peer that left keeps its part. ``next``: the last download's size, or the model's fp32 parameters
-before the first. The stats are a stranger's claim: a peer that inflates them makes the downloads
-come sooner, never sooner than `checkpoint.every_s` apart; one that shrinks its own only delays
-them. They are read when a download would otherwise be due, and again when the swarm, at the rate
-it sent since the last read, should have sent enough (at least `STATS_READ_S` apart).
+(transport.stats_pulls; the data plane's bytes, checkpoints not among them). A peer's figure counts
+at its largest seen, so a peer that left keeps its part. ``next``: the last download's size, or the
+model's fp32 parameters before the first. The stats are a stranger's claim: a peer that inflates
+them makes the downloads come sooner, never sooner than `checkpoint.every_s` apart; one that shrinks
+its own only delays them. They are read when a download would otherwise be due, and again when the
+swarm, at the rate it sent since the last read, should have sent enough (at least `STATS_READ_S`
+apart).
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ callback) refreshes the numbers before each publication. The stats its records a
 (runtime.peer_stats) are pulled from its data plane by whoever reads them (transport.stats_pulls,
 Decision 60); a peer in client mode, which nobody can dial, stores them in the DHT instead, every
 STATS_EVERY heartbeats' time on a thread of its own, under their own key. A record expires
-`sync.record_ttl_s` after its last heartbeat, so a killed peer vanishes by itself; a peer that leaves expires it at
-once and withdraws the round it announced ahead, so that round's leader need not wait for it.
+`sync.record_ttl_s` after its last heartbeat, so a killed peer vanishes by itself; a peer that
+leaves expires it at once and withdraws the round it announced ahead, so that round's leader need not wait for it.
 
 With ``quiet`` (the data-parallel peers: nobody acts on their step, loss or throughput, only on where
 they are, what they do and whether they are past the run's first round) a heartbeat stores the record

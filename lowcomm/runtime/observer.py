@@ -2,10 +2,11 @@
 
 - `DhtSource` reads the peers' DHT records (transport.control.PeerRecord, refreshed every heartbeat)
   and each live peer's stats, pulled from its data plane (transport.stats_pulls.LiveStats; from the
-  DHT for a peer in client mode): the coordinator's page and `lowcomm observe`. A round is seen through its
-  members' `stats.last_round`, a held-out loss when a peer's changes, an event when a record appears
-  (join), leaves (leave) or expires (gone), or a counter grows (reject, resync); so the page shows
-  what the DHT says at each poll, and a round shorter than the stats' period may be missed.
+  DHT for a peer in client mode): the coordinator's page and `lowcomm observe`. A round is seen
+  through its members' `stats.last_round`, a held-out loss when a peer's changes, an event when a
+  record appears (join), leaves (leave) or expires (gone), or a counter grows (reject, resync); so
+  the page shows what the DHT and the peers say at each poll, and a round shorter than a poll may be
+  missed.
 - `RecordsSource` tails the peers' JSONL records in a run folder (runtime.runlog): `simulate`, whose
   launcher holds every peer's records and churn's, sees every round, evaluation and event.
 

@@ -42,8 +42,8 @@ NEAREST_TRUSTED_S = 480.0  # ... and at most, once search after search found the
 DIRECT_CALL_S = 2.0  # a remembered node that has not answered a store by then counts as gone
 MAX_KEYS = 256  # keys whose nearest nodes are remembered (the oldest are forgotten first)
 
-_nearest: dict[DHTID, tuple[float, dict, float]] = {}  # key id -> (found at, {node id: peer id}, trusted for), in
-# the DHT's process
+# key id -> (found at, {node id: peer id}, trusted for s), in the DHT's process
+_nearest: dict[DHTID, tuple[float, dict, float]] = {}
 _background: dict[DHTID, asyncio.Task] = {}  # key id -> hivemind's store of it, run without waiting (_in_background)
 
 

@@ -43,7 +43,8 @@ SIGN_EVERY_S = 1.0
 class StatsPost:
     """A peer's answer to a stats pull: its current stats (``summary()``), signed, for its own run only."""
 
-    def __init__(self, signer: Signer, run: str, summary: Callable[[], dict], clock: Callable[[], float] = time.monotonic):
+    def __init__(self, signer: Signer, run: str, summary: Callable[[], dict],
+                 clock: Callable[[], float] = time.monotonic):
         self.signer, self.run, self.summary, self.clock = signer, run, summary, clock
         self._lock = threading.Lock()
         self._signed: tuple[float, wire_pb2.WakeRequest] | None = None
