@@ -84,6 +84,7 @@ class Coordinator:
         self._names: list[str] | None = None  # the model's parameter names, in its order (φ's hash)
         self._param_bytes = 0  # the model's fp32 parameters, in bytes (the first download's expected size)
         self._budget: CheckpointBudget | None = None  # the downloads' share of the swarm's bytes
+        self._stats: LiveStats | None = None  # the peers' stats the budget reads, pulled from them
         self._deferred = False  # a download held back by the budget was logged
         self.server = None  # the gRPC server, once started
         self.channels: Channels | None = None
@@ -225,7 +226,7 @@ class Coordinator:
             return
         if self._budget is None:
             self._model_names()
-            stats = LiveStats(self.control, self.channels, self.traffic)  # pulled from the peers (Decision 60)
+            stats = self._stats = LiveStats(self.control, self.traffic, self.admission.admits)  # pulled (Decision 60)
             self._budget = CheckpointBudget(self.config.checkpoint.max_share, lambda: stats(self.control.live_peers()),
                                             self.admission.admits, first_bytes=self._param_bytes,
                                             most_wait_s=max(self.config.checkpoint.every_s, 60.0))
@@ -308,5 +309,7 @@ class Coordinator:
                 self.server.stop(grace=1.0).wait(2.0)
             if self.channels is not None:
                 self.channels.close()
+            if self._stats is not None:
+                self._stats.close()
         finally:
             self.control.shutdown()

@@ -18,12 +18,11 @@ from prometheus_client.core import CollectorRegistry, CounterMetricFamily, Gauge
 from lowcomm.runtime.http_read import ReadOnlyServer
 from lowcomm.runtime.observer import DhtSource, Observer, RecordsSource, RunView
 from lowcomm.transport.stats_pulls import LiveStats
-from lowcomm.transport.wire import Channels, Traffic
+from lowcomm.transport.wire import Traffic
 from lowcomm.version import __version__
 
 MAX_CLIENTS = 32
 DHT_POLL_S = 5.0  # a read of the records and a stats pull from each peer per poll, whatever the number of viewers
-STATS_CHANNEL_BYTES = 1 << 20  # the largest message on the channels the stats are pulled on
 
 
 class RunCollector:
@@ -140,15 +139,19 @@ class StatusPage:
             self.observer.close()
             raise
         self.url = self.dashboard.url
-        self.closing: list = []  # what the sources hold open (the stats pulls' channels)
+        self.closing: list = []  # what the sources hold open (the stats pulls' channels), closed with the page
 
     @classmethod
     def for_dht(cls, control, run: str, host: str, port: int) -> "StatusPage":
         """The DHT's peer records, and the stats pulled from the peers (transport.stats_pulls)."""
         view = RunView(run, "the DHT's peer records")
-        channels = Channels(STATS_CHANNEL_BYTES)
-        page = cls(view, [DhtSource(control, view, LiveStats(control, channels, Traffic()))], host, port, DHT_POLL_S)
-        page.closing.append(channels.close)
+        stats = LiveStats(control, Traffic())
+        try:
+            page = cls(view, [DhtSource(control, view, stats)], host, port, DHT_POLL_S)
+        except BaseException:
+            stats.close()
+            raise
+        page.closing.append(stats.close)
         return page
 
     @classmethod

@@ -94,10 +94,11 @@ def forget(key_id: DHTID) -> None:
 
 
 def keep(key_id: DHTID, answered: dict) -> None:
-    """Narrows the nodes remembered for the key to those that ``answered``, found when they were."""
+    """Narrows the nodes remembered for the key to those that ``answered``, found when they were, trusted
+    for NEAREST_MAX_AGE_S at most from then (a node went silent: the key's nodes are moving)."""
     found = _nearest.get(key_id)
     if found is not None:
-        _nearest[key_id] = (found[0], dict(answered), found[2])
+        _nearest[key_id] = (found[0], dict(answered), min(found[2], NEAREST_MAX_AGE_S))
 
 
 def remember(key_id: DHTID, nearest: dict, full: bool) -> None:

@@ -86,7 +86,7 @@ def checked_record(verifier: Verifier, run: str, request) -> dict:
         raise PostRefused(str(e)) from None
     try:
         value = json.loads(request.value)
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: nested past the parser's depth
         raise PostRefused("a round post whose record is not JSON") from None
     if not isinstance(value, dict) or value.get("peer_id") != request.sender:
         raise PostRefused("a round post whose record is not its sender's")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections import OrderedDict
 from concurrent import futures
 from typing import Iterable, Iterator
 
@@ -118,21 +119,28 @@ def start_server(servicer: wire_pb2_grpc.PeerServicer, host: str, port: int, chu
 
 class Channels:
     """One cached channel and stub per endpoint, for the endpoints this peer chose to dial; `once` for
-    an endpoint somebody else named (a dial-back), which is never cached."""
+    an endpoint somebody else named (a dial-back), which is never cached. With ``max_channels``, the
+    least recently used channel is closed once more are open (a call still on it ends CANCELLED)."""
 
-    def __init__(self, chunk_bytes: int):
+    def __init__(self, chunk_bytes: int, max_channels: int | None = None):
         self._options = channel_options(chunk_bytes)
-        self._stubs: dict[str, wire_pb2_grpc.PeerStub] = {}
+        self.max_channels = max_channels
+        self._stubs: OrderedDict[str, wire_pb2_grpc.PeerStub] = OrderedDict()
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
 
     def stub(self, endpoint: str) -> wire_pb2_grpc.PeerStub:
         with self._lock:
-            if endpoint not in self._stubs:
-                channel = grpc.insecure_channel(endpoint, options=self._options)
-                self._channels[endpoint] = channel
-                self._stubs[endpoint] = wire_pb2_grpc.PeerStub(channel)
-            return self._stubs[endpoint]
+            if endpoint in self._stubs:
+                self._stubs.move_to_end(endpoint)
+                return self._stubs[endpoint]
+            channel = grpc.insecure_channel(endpoint, options=self._options)
+            self._channels[endpoint] = channel
+            stub = self._stubs[endpoint] = wire_pb2_grpc.PeerStub(channel)
+            while self.max_channels is not None and len(self._stubs) > self.max_channels:
+                oldest, _ = self._stubs.popitem(last=False)
+                self._channels.pop(oldest).close()
+            return stub
 
     @contextlib.contextmanager
     def once(self, endpoint: str) -> Iterator[wire_pb2_grpc.PeerStub]:

@@ -88,8 +88,18 @@ def test_the_coordinator_asks_no_peer_for_its_state_until_the_budget_allows(tmp_
     coordinator.control = SimpleNamespace(live_peers=lambda: live)
     coordinator.channels = coordinator.traffic = None
     pulled_for = []  # the records whose peers' stats were pulled (transport.stats_pulls.LiveStats)
-    monkeypatch.setattr("lowcomm.runtime.coordinator.LiveStats",
-                        lambda control, channels, traffic: lambda records: pulled_for.append(records) or stats())
+
+    class Pulls:  # LiveStats, answering as Stats does
+        def __init__(self, control, traffic, admits):
+            assert admits == coordinator.admission.admits  # the run's admitted peers only
+
+        def __call__(self, records):
+            pulled_for.append(records)
+            return stats()
+
+        def close(self):
+            pass
+    monkeypatch.setattr("lowcomm.runtime.coordinator.LiveStats", Pulls)
     coordinator.follower = None  # no rounds to follow: only the checkpoint's own checks run
     asked = []
 

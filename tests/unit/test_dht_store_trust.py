@@ -1,7 +1,8 @@
 """How long a store trusts the nodes a search found nearest its key (transport.dht_stores, Decision 61):
 NEAREST_MAX_AGE_S after a first search or one that found other nodes, twice as long after each search
 that found the same nodes, up to NEAREST_TRUSTED_S; a search that found too few nodes is not remembered,
-and a memory narrowed to the nodes that answered counts as other nodes at the next search."""
+and a memory narrowed to the nodes that answered is trusted for NEAREST_MAX_AGE_S at most and counts as
+other nodes at the next search."""
 
 from __future__ import annotations
 
@@ -62,8 +63,9 @@ def test_other_nodes_a_narrowed_memory_or_too_few_nodes_start_again_at_a_minute(
     dht_stores.remember(KEY_ID, {A: "a", B: "b", D: "d"}, full=True)  # a node nearer the key joined
     assert trusted_for(clock) == 60
     dht_stores.remember(KEY_ID, {A: "a", B: "b", D: "d"}, full=True)
-    dht_stores.keep(KEY_ID, {A: "a", B: "b"})  # D did not answer a store: the memory narrows, its trust stays
-    assert trusted_for(clock) == 120 and set(dht_stores.nearest(KEY_ID)) == {A, B}
+    assert trusted_for(clock) == 120
+    dht_stores.keep(KEY_ID, {A: "a", B: "b"})  # D did not answer a store: the memory narrows, for a minute
+    assert trusted_for(clock) == 60 and set(dht_stores.nearest(KEY_ID)) == {A, B}
     dht_stores.remember(KEY_ID, {A: "a", B: "b", D: "d"}, full=True)  # D is back: not what was remembered
     assert trusted_for(clock) == 60
     dht_stores.remember(KEY_ID, {A: "a"}, full=False)  # a DHT still filling: nothing remembered
