@@ -9,6 +9,8 @@ from __future__ import annotations
 import threading
 from types import SimpleNamespace
 
+import pytest
+
 from lowcomm.runtime import membership
 from lowcomm.runtime.membership import Membership
 from lowcomm.transport.control import PeerRecord
@@ -68,21 +70,33 @@ def test_a_stage_peers_heartbeat_stores_every_beat(monkeypatch):
     assert len(stored) == 3
 
 
-def test_a_stats_store_that_does_not_return_never_holds_up_the_record(monkeypatch):
+def beating(monkeypatch, publish_stats, client_mode: bool) -> tuple[Membership, threading.Event, list[str]]:
+    """A peer whose heartbeat beats every 10 ms and whose stats go out at every beat: the member, an event
+    set at its third record store, and the names of the threads it started."""
     monkeypatch.setattr(membership, "STATS_EVERY", 1)
-    held, beats, stored = threading.Event(), threading.Event(), []
+    beats, stored, started = threading.Event(), [], []
 
     def publish_peer(record, ttl):
         stored.append(record.round)
         if len(stored) >= 3:
             beats.set()
 
-    control = SimpleNamespace(publish_peer=publish_peer, publish_stats=lambda stats, ttl: held.wait())
+    class Thread(threading.Thread):
+        def start(self):
+            started.append(self.name)
+            super().start()
+    monkeypatch.setattr(membership.threading, "Thread", Thread)
+    control = SimpleNamespace(publish_peer=publish_peer, publish_stats=publish_stats)
     sync = SimpleNamespace(heartbeat_s=0.01, record_ttl_s=10.0)
     ctx = SimpleNamespace(config=SimpleNamespace(sync=sync), control=control,
                           stats=SimpleNamespace(summary=dict), options=SimpleNamespace(token=None, link=None),
                           log=SimpleNamespace(event=lambda *a, **k: None))
-    member = Membership(ctx, PeerRecord("p", "10.0.0.1:5000", state="training", client_mode=True))
+    return Membership(ctx, PeerRecord("p", "10.0.0.1:5000", state="training", client_mode=client_mode)), beats, started
+
+
+def test_a_stats_store_that_does_not_return_never_holds_up_the_record(monkeypatch):
+    held = threading.Event()
+    member, beats, _ = beating(monkeypatch, lambda stats, ttl: held.wait(), client_mode=True)
     threading.Thread(target=member.start_heartbeat, daemon=True).start()
     try:
         assert beats.wait(60.0)  # the record's stores go on while the stats store is held
@@ -91,29 +105,15 @@ def test_a_stats_store_that_does_not_return_never_holds_up_the_record(monkeypatc
         held.set()
 
 
-def test_only_a_peer_in_client_mode_stores_its_stats(monkeypatch):
+@pytest.mark.parametrize("client_mode", [False, True])
+def test_only_a_peer_in_client_mode_stores_its_stats(monkeypatch, client_mode):
     """The others' stats are pulled from their data plane (transport.stats_pulls, Decision 60)."""
-    monkeypatch.setattr(membership, "STATS_EVERY", 1)
-    for client_mode in (False, True):
-        stats_stored, beats, stored = threading.Event(), threading.Event(), []
-
-        def publish_peer(record, ttl):
-            stored.append(record.round)
-            if len(stored) >= 3:
-                beats.set()
-
-        control = SimpleNamespace(publish_peer=publish_peer, publish_stats=lambda stats, ttl: stats_stored.set())
-        sync = SimpleNamespace(heartbeat_s=0.01, record_ttl_s=10.0)
-        ctx = SimpleNamespace(config=SimpleNamespace(sync=sync), control=control,
-                              stats=SimpleNamespace(summary=dict), options=SimpleNamespace(token=None, link=None),
-                              log=SimpleNamespace(event=lambda *a, **k: None))
-        member = Membership(ctx, PeerRecord("p", "10.0.0.1:5000", state="training", client_mode=client_mode))
-        member.start_heartbeat()  # a client-mode peer's first stats store is made as its thread starts
-        try:
-            assert beats.wait(60.0)
-            if client_mode:
-                assert stats_stored.wait(60.0)
-            else:
-                assert not stats_stored.is_set()
-        finally:
-            member._stop.set()
+    stats_stored = threading.Event()
+    member, beats, started = beating(monkeypatch, lambda stats, ttl: stats_stored.set(), client_mode)
+    member.start_heartbeat()
+    try:
+        assert beats.wait(60.0)
+        assert ("stats" in started) == client_mode
+        assert stats_stored.wait(60.0) if client_mode else not stats_stored.is_set()
+    finally:
+        member._stop.set()
