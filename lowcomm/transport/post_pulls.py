@@ -29,6 +29,22 @@ PULL_THREADS = 8
 MAX_PULLS = 64
 
 
+def get_post(channels: Channels, traffic: Traffic, endpoint: str, request: wire_pb2.PostRequest,
+             timeout_s: float = PULL_TIMEOUT_S) -> wire_pb2.WakeRequest | None:
+    """``endpoint``'s answer to ``request`` (an empty post where it holds none), counted and paced; None
+    where the call failed or the endpoint cannot be dialled (a record naming it is a stranger's claim)."""
+    deadline = deadline_after(timeout_s)
+    try:
+        traffic.count_sent(request, deadline)
+        reply = channels.stub(endpoint).GetPost(request, timeout=timeout_s)
+        traffic.count_received(reply, deadline)
+        return reply
+    except Exception as e:  # grpc.RpcError, or an endpoint gRPC cannot parse
+        logger.debug("GetPost(%s, round %d) at %s failed: %s", request.kind[:32], request.round, endpoint[:80],
+                     e.code() if isinstance(e, grpc.RpcError) else e)
+        return None
+
+
 def pull_posts(channels: Channels, traffic: Traffic, posts: RoundPosts, kind: str, group: str, round_: int,
                writers: dict[str, str]) -> set[str]:
     """Asks each of ``writers`` (peer id -> endpoint) for its post of (kind, group, round); the writers
@@ -39,16 +55,9 @@ def pull_posts(channels: Channels, traffic: Traffic, posts: RoundPosts, kind: st
     request = wire_pb2.PostRequest(run=posts.run, group=group, round=round_, kind=kind)
 
     def pull(writer: str) -> str | None:
-        deadline = deadline_after(PULL_TIMEOUT_S)
-        try:
-            traffic.count_sent(request, deadline)
-            reply = channels.stub(asked[writer]).GetPost(request, timeout=PULL_TIMEOUT_S)
-            traffic.count_received(reply, deadline)
-        except grpc.RpcError as e:
-            logger.debug("pulling %s's %s post of round %d failed: %s", writer[:20], kind, round_, e.code())
-            return None
-        if not reply.sender:
-            return None  # it holds none
+        reply = get_post(channels, traffic, asked[writer], request)
+        if reply is None or not reply.sender:
+            return None  # no answer, or it holds none
         try:
             if (reply.sender, reply.kind, reply.group, reply.round) != (writer, kind, group, round_):
                 raise PostRefused(f"asked {writer[:40]} for its {kind} post of round {round_}, got "

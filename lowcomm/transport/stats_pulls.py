@@ -8,8 +8,8 @@ the peer answers with them signed by its key. A peer others cannot dial (client 
 stats in the DHT (`RUN.stats`, transport.control), and a reader reads that key only for such peers.
 
 An answer is a round post (transport.round_posts) of kind STATS, group "" and round 0: kept only if its
-sender is the peer asked, its writer's signature and record check out (`checked_record`) and the stats
-pass `clean_stats`; anything else is refused and counted (`on_reject`). A stats post is never pushed
+sender is a peer whose record names the endpoint asked, its writer's signature and record check out
+(`checked_record`) and the stats pass `clean_stats`; anything else is refused and counted (`on_reject`). A stats post is never pushed
 (`RoundPosts.accept` refuses one). The writer signs anew at most once per SIGN_EVERY_S, so a flood of
 pulls costs it one signature a second.
 
@@ -27,13 +27,12 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 
-import grpc
-
 from lowcomm.proto import wire_pb2
+from lowcomm.transport.post_pulls import get_post
 from lowcomm.transport.record_fields import clean_stats
 from lowcomm.transport.round_posts import STATS, PostRefused, checked_record, post_request
 from lowcomm.transport.signing import Signer, Verifier
-from lowcomm.transport.wire import Channels, Traffic, deadline_after
+from lowcomm.transport.wire import Channels, Traffic
 
 logger = logging.getLogger(__name__)
 PULL_TIMEOUT_S = 2.0
@@ -126,19 +125,9 @@ class LiveStats:
         request = wire_pb2.PostRequest(run=self.control.run, group="", round=0, kind=STATS)
 
         def pull(endpoint: str) -> tuple[str, dict] | None:
-            deadline = deadline_after(PULL_TIMEOUT_S)
-            try:
-                self.traffic.count_sent(request, deadline)
-                reply = self.channels.stub(endpoint).GetPost(request, timeout=PULL_TIMEOUT_S)
-                self.traffic.count_received(reply, deadline)
-            except grpc.RpcError as e:
-                logger.debug("pulling the stats at %s failed: %s", endpoint[:80], e.code())
-                return None
-            except Exception as e:  # an endpoint gRPC cannot dial (a record is a stranger's claim)
-                logger.debug("pulling the stats at %s failed: %s", endpoint[:80], e)
-                return None
-            if not reply.sender:
-                return None  # it serves none (a coordinator, a peer that holds no stats)
+            reply = get_post(self.channels, self.traffic, endpoint, request, PULL_TIMEOUT_S)
+            if reply is None or not reply.sender:
+                return None  # no answer, or it serves none (a coordinator, a peer that holds no stats)
             try:
                 return reply.sender, checked_stats(self.verifier, self.control.run, asked[endpoint], reply)
             except PostRefused as e:
@@ -153,6 +142,6 @@ class LiveStats:
         try:
             futures = [pool.submit(pull, endpoint) for endpoint in asked]
             done, _ = wait(futures, timeout=READ_DEADLINE_S)
-            return dict(f.result() for f in done if f.result() is not None)
+            return dict(answer for answer in (f.result() for f in done) if answer is not None)
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
